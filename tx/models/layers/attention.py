@@ -1,0 +1,43 @@
+"""Qwen3 grouped-query self-attention with per-head q/k RMSNorm and RoPE."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tx.kernels.attention import attention
+from tx.models.config import ModelConfig
+from tx.models.layers.lora import LoraContext, LoRALinear
+from tx.models.layers.norm import RMSNorm
+from tx.models.layers.rope import apply_rope
+
+
+class Attention(nnx.Module):
+    def __init__(
+        self, cfg: ModelConfig, *, num_adapters: int, rank: int, stack: tuple[int, ...], dtype, rngs: nnx.Rngs
+    ):
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        kw = dict(num_adapters=num_adapters, rank=rank, stack=stack, dtype=dtype, rngs=rngs)
+        self.q_proj = LoRALinear(d, self.num_heads * hd, **kw)
+        self.k_proj = LoRALinear(d, self.num_kv_heads * hd, **kw)
+        self.v_proj = LoRALinear(d, self.num_kv_heads * hd, **kw)
+        self.o_proj = LoRALinear(self.num_heads * hd, d, **kw)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, stack=stack, dtype=dtype)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, stack=stack, dtype=dtype)
+
+    def __call__(
+        self,
+        x_btd: jax.Array,
+        cos_sin: tuple[jax.Array, jax.Array],
+        mask_bts: jax.Array,
+        lora: LoraContext | None,
+    ) -> jax.Array:
+        b, t, _ = x_btd.shape
+        q_bthd = self.q_norm(self.q_proj(x_btd, lora).reshape(b, t, self.num_heads, self.head_dim))
+        k_btkd = self.k_norm(self.k_proj(x_btd, lora).reshape(b, t, self.num_kv_heads, self.head_dim))
+        v_btkd = self.v_proj(x_btd, lora).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q_bthd, k_btkd = apply_rope(q_bthd, *cos_sin), apply_rope(k_btkd, *cos_sin)
+        out_bthd = attention(q_bthd, k_btkd, v_btkd, mask_bts, self.head_dim**-0.5)
+        return self.o_proj(out_bthd.reshape(b, t, -1), lora)

@@ -1,0 +1,173 @@
+"""Qwen3 and Qwen3-MoE causal LMs in flax nnx, with stacked multi-adapter LoRA and scanned layers.
+
+Consecutive decoder layers of the same kind (dense MLP or sparse MoE) form one `DecoderStack` whose
+weights carry a leading layer axis and run under `jax.lax.scan`; a model whose MoE layers are
+interleaved with dense ones (`decoder_sparse_step`, `mlp_only_layers`) simply has several stacks.
+The model returns final hidden states; `target_logprobs` turns them into float32 log-probs in chunks.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tx.kernels.attention import causal_mask
+from tx.kernels.lora import lora_delta
+from tx.models.config import LoraSlots, ModelConfig
+from tx.models.layers.attention import Attention
+from tx.models.layers.lora import LoraContext, lora_variables, make_lora_context
+from tx.models.layers.mlp import MLP
+from tx.models.layers.moe import SparseMoE
+from tx.models.layers.norm import RMSNorm
+from tx.models.layers.rope import rope_cos_sin
+from tx.models.logprobs import chunked_target_logprobs
+from tx.models.registry import register
+
+_init = nnx.initializers.normal(0.02)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, moe: bool, stack: tuple[int, ...], dtype, slots: LoraSlots, rngs):
+        kw = dict(num_adapters=slots.max_lora_adapters, rank=slots.max_lora_rank, stack=stack, dtype=dtype, rngs=rngs)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack, dtype=dtype)
+        self.self_attn = Attention(cfg, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack, dtype=dtype)
+        self.mlp = SparseMoE(cfg, **kw) if moe else MLP(cfg.hidden_size, cfg.intermediate_size, **kw)
+
+    def __call__(self, x_btd, cos_sin, mask_bts, lora: LoraContext | None) -> jax.Array:
+        x_btd = x_btd + self.self_attn(self.input_layernorm(x_btd), cos_sin, mask_bts, lora)
+        return x_btd + self.mlp(self.post_attention_layernorm(x_btd), lora)
+
+
+class DecoderStack(nnx.Module):
+    """Consecutive layers of one kind, weights stacked on a leading axis, applied with `lax.scan`."""
+
+    def __init__(self, cfg: ModelConfig, layer_ids: tuple[int, ...], *, moe: bool, remat: bool, **kw):
+        self.layer_ids = layer_ids
+        self.moe = moe
+        self.remat = remat
+        self.layer = DecoderLayer(cfg, moe=moe, stack=(len(layer_ids),), **kw)
+
+    def __call__(self, x_btd, cos_sin, mask_bts, lora: LoraContext | None) -> jax.Array:
+        graphdef, state = nnx.split(self.layer)
+
+        def body(h_btd, layer_state):
+            return nnx.merge(graphdef, layer_state)(h_btd, cos_sin, mask_bts, lora), None
+
+        if self.remat:  # per-layer gradient checkpointing: keep only each layer's input
+            body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+        x_btd, _ = jax.lax.scan(body, x_btd, state)
+        return x_btd
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab: int, d: int, *, dtype, rngs: nnx.Rngs):
+        self.embedding = nnx.Param(_init(rngs.params(), (vocab, d), dtype))
+
+    def __call__(self, ids_bt: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], ids_bt, axis=0)
+
+
+class LMHead(nnx.Module):
+    """Unembedding `h W` (W = embedding^T when tied) plus a per-adapter LoRA delta."""
+
+    def __init__(self, d: int, vocab: int, *, tied: bool, dtype, slots: LoraSlots, rngs: nnx.Rngs):
+        self.kernel = None if tied else nnx.Param(_init(rngs.params(), (d, vocab), dtype))
+        self.lora_a, self.lora_b, self.lora_scale = lora_variables(
+            (), slots.max_lora_adapters, slots.max_lora_rank, d, vocab
+        )
+
+    def __call__(self, h_nd: jax.Array, embedding_vd: jax.Array, lora: LoraContext | None) -> jax.Array:
+        """float32 logits [n, vocab]."""
+        if self.kernel is None:
+            logits_nv = jnp.dot(h_nd, embedding_vd.T, preferred_element_type=jnp.float32)
+        else:
+            logits_nv = jnp.dot(h_nd, self.kernel[...], preferred_element_type=jnp.float32)
+        if lora is not None:
+            scale_n = self.lora_scale[...][lora.adapter_n]
+            logits_nv = logits_nv + lora_delta(h_nd, lora.routing, self.lora_a[...], self.lora_b[...], scale_n)
+        return logits_nv
+
+
+def layer_groups(cfg: ModelConfig) -> list[tuple[bool, tuple[int, ...]]]:
+    """Runs of consecutive layers of the same kind: [(is_moe, layer ids), ...]."""
+    kinds = [(cfg.is_moe_layer(i), i) for i in range(cfg.num_hidden_layers)]
+    return [(moe, tuple(i for _, i in run)) for moe, run in itertools.groupby(kinds, key=lambda x: x[0])]
+
+
+@register("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+class Qwen3ForCausalLM(nnx.Module):
+    """Dense or MoE Qwen3; `max_lora_adapters` LoRA slots on q/k/v/o, MLP or experts, and the LM head."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        slots: LoraSlots,
+        *,
+        dtype: jnp.dtype | None = None,
+        gradient_checkpointing: bool = False,
+        rngs: nnx.Rngs,
+    ):
+        dtype = jnp.dtype(dtype or cfg.dtype)
+        self.config = cfg
+        self.slots = slots
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.stacks = nnx.List(
+            [
+                DecoderStack(cfg, ids, moe=moe, remat=gradient_checkpointing, dtype=dtype, slots=slots, rngs=rngs)
+                for moe, ids in layer_groups(cfg)
+            ]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = LMHead(
+            cfg.hidden_size, cfg.vocab_size, tied=cfg.tie_word_embeddings, dtype=dtype, slots=slots, rngs=rngs
+        )
+
+    def __call__(
+        self,
+        input_ids_bt: jax.Array,
+        attention_mask_bt: jax.Array,
+        adapter_indices_b: jax.Array | None = None,
+        positions_bt: jax.Array | None = None,
+        segment_ids_bt: jax.Array | None = None,
+    ) -> jax.Array:
+        """Final (normed) hidden states [b, t, d]. Padding is on the right; padded positions are garbage."""
+        b, t = input_ids_bt.shape
+        if positions_bt is None:
+            positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        cos_sin = rope_cos_sin(positions_bt, self.config.head_dim, self.config.rope_theta)
+        mask_bts = causal_mask(attention_mask_bt, segment_ids_bt)
+        lora = self.lora_context(adapter_indices_b, t)
+        x_btd = self.embed_tokens(input_ids_bt)
+        for stack in self.stacks:
+            x_btd = stack(x_btd, cos_sin, mask_bts, lora)
+        return self.norm(x_btd)
+
+    def lora_context(self, adapter_indices_b: jax.Array | None, tokens_per_row: int) -> LoraContext | None:
+        if adapter_indices_b is None:
+            return None
+        adapter_n = jnp.repeat(adapter_indices_b.astype(jnp.int32), tokens_per_row)
+        return make_lora_context(adapter_n, self.slots.max_lora_adapters)
+
+    def logits(self, h_nd: jax.Array, adapter_n: jax.Array | None) -> jax.Array:
+        """float32 logits [n, vocab] for flat hidden states (small n: sampling, tests)."""
+        lora = None if adapter_n is None else make_lora_context(adapter_n, self.slots.max_lora_adapters)
+        return self.lm_head(h_nd, self.embed_tokens.embedding[...], lora)
+
+    def target_logprobs(
+        self,
+        hidden_btd: jax.Array,
+        targets_bt: jax.Array,
+        adapter_indices_b: jax.Array | None = None,
+        chunk_size: int = 1024,
+    ) -> jax.Array:
+        """float32 log p(target) [b, t], computed `chunk_size` tokens at a time (no [b, t, vocab] tensor)."""
+        b, t, d = hidden_btd.shape
+        adapter_n = None if adapter_indices_b is None else jnp.repeat(adapter_indices_b.astype(jnp.int32), t)
+        logprobs_n = chunked_target_logprobs(
+            self.logits, hidden_btd.reshape(b * t, d), targets_bt.reshape(-1), adapter_n, chunk_size
+        )
+        return logprobs_n.reshape(b, t)

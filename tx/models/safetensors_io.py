@@ -1,0 +1,102 @@
+"""Lazy safetensors access: every tensor of a (sharded) checkpoint as a memory-mapped numpy view.
+
+The format is an 8-byte little-endian header length, a JSON header mapping names to dtype, shape and
+byte offsets, then raw data. Mapping the file (rather than `safetensors.numpy.load_file`) lets the loader
+slice just the part of a tensor that a device needs, and handles bfloat16 through ml_dtypes.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+_DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path}: too short to be a safetensors file")
+        (n,) = struct.unpack("<Q", raw)
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+class SafetensorsDir:
+    """All tensors of the `*.safetensors` files in one directory, by name, memory-mapped on demand."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {self.path}")
+        self._where: dict[str, tuple[Path, dict, int]] = {}
+        for file in files:
+            header, data_start = _read_header(file)
+            for name, info in header.items():
+                self._where[name] = (file, info, data_start)
+        self._maps: dict[Path, np.memmap] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._entry(name)[1]["shape"])
+
+    def _entry(self, name: str) -> tuple[Path, dict, int]:
+        if name not in self._where:
+            raise KeyError(f"tensor {name!r} not found in the safetensors files of {self.path}")
+        return self._where[name]
+
+    def get(self, name: str) -> np.ndarray:
+        """A read-only view of the whole tensor; slicing it reads only the touched pages."""
+        file, info, data_start = self._entry(name)
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"tensor {name!r} has unsupported dtype {info['dtype']}")
+        if file not in self._maps:
+            self._maps[file] = np.memmap(file, dtype=np.uint8, mode="r")
+        begin, end = info["data_offsets"]
+        raw = self._maps[file][data_start + begin : data_start + end]
+        return raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def save_file(tensors: dict[str, np.ndarray], path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """Write tensors (any dtype in the table, bfloat16 included) as one safetensors file."""
+    header: dict = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    arrays = []
+    for name, arr in tensors.items():
+        arr = np.ascontiguousarray(arr)
+        if arr.dtype not in _NAMES:
+            raise ValueError(f"tensor {name!r}: dtype {arr.dtype} cannot be written to safetensors")
+        header[name] = {"dtype": _NAMES[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+        arrays.append(arr)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for arr in arrays:
+            f.write(arr.tobytes())

@@ -1,0 +1,106 @@
+"""The one sharding table: a `PartitionSpec` over the mesh axes ("fsdp", "ep", "tp") for every parameter.
+
+Rules, per layer (a scanned stack adds a leading unsharded layer axis):
+- every linear is listed once in `LINEAR_AXES` as (in-features axis, out-features axis): Megatron-style
+  column-parallel then row-parallel over "tp", and the other dimension over "fsdp" (ZeRO-3 via GSPMD);
+- its LoRA factors follow it: `lora_a [A, in, R]` shards `in` like the kernel, `lora_b [A, R, out]` shards
+  `out` like the kernel, the adapter and rank axes are never sharded; `lora_scale [A]` is replicated;
+- MoE experts (`[E, ...]`) put the expert axis on "ep";
+- the batch is sharded over "fsdp" (`batch_spec`).
+
+Fallbacks (logged once per parameter): attention heads are replicated over "tp" unless both
+num_attention_heads and num_key_value_heads divide by the tp size (or `shard_attention_heads=False`);
+any other dimension that does not divide by its mesh axes is replicated along them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tx.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+MESH_AXES = ("fsdp", "ep", "tp")
+HEADS = "heads"  # logical axis: "tp" when the head counts divide, else replicated
+
+# module name -> (in-features axis, out-features axis)
+LINEAR_AXES: dict[str, tuple[str | None, str | None]] = {
+    "q_proj": ("fsdp", HEADS),
+    "k_proj": ("fsdp", HEADS),
+    "v_proj": ("fsdp", HEADS),
+    "o_proj": (HEADS, "fsdp"),
+    "gate_proj": ("fsdp", "tp"),
+    "up_proj": ("fsdp", "tp"),
+    "down_proj": ("tp", "fsdp"),
+    "lm_head": ("fsdp", "tp"),
+}
+# (module, variable) -> spec, for everything that is not a LoRA-carrying linear
+OTHER_SPECS: dict[tuple[str, str], tuple[str | None, ...]] = {
+    ("embed_tokens", "embedding"): ("tp", "fsdp"),  # [vocab, d]
+    ("gate", "kernel"): (None, None),  # MoE router [d, experts], small and read by every token
+}
+
+
+def make_mesh(fsdp: int = 1, ep: int = 1, tp: int = 1, devices: list | None = None) -> Mesh:
+    """A (fsdp, ep, tp) mesh over `devices` (default: all devices, so it spans every host)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if fsdp * ep * tp != len(devices):
+        raise ValueError(f"mesh fsdp={fsdp} x ep={ep} x tp={tp} = {fsdp * ep * tp} != {len(devices)} devices")
+    return Mesh(np.asarray(devices).reshape(fsdp, ep, tp), MESH_AXES)
+
+
+def batch_spec(ndim: int) -> P:
+    """Inputs: batch over fsdp, everything else replicated."""
+    return P("fsdp", *([None] * (ndim - 1)))
+
+
+def _logical_spec(path: tuple[str, ...]) -> tuple[str | None, ...]:
+    """Spec of one layer's variable, before resolving logical axes, from its nnx path."""
+    module, leaf = path[-2], path[-1]
+    if module in LINEAR_AXES and leaf in ("kernel", "lora_a", "lora_b", "lora_scale"):
+        i, o = LINEAR_AXES[module]
+        spec = {"kernel": (i, o), "lora_a": (None, i, None), "lora_b": (None, None, o), "lora_scale": (None,)}[leaf]
+        if "experts" in path and leaf != "lora_scale":
+            spec = ("ep", *spec)
+        return spec
+    if (module, leaf) in OTHER_SPECS:
+        return OTHER_SPECS[(module, leaf)]
+    if leaf == "weight":  # RMSNorm scales
+        return (None,)
+    raise KeyError(f"no sharding rule for parameter {'.'.join(path)}")
+
+
+def param_spec(
+    path: tuple[Any, ...], shape: tuple[int, ...], mesh: Mesh, cfg: ModelConfig, shard_attention_heads: bool = True
+) -> P:
+    """The `PartitionSpec` of the variable at nnx `path` with global `shape` on `mesh`."""
+    names = tuple(str(p) for p in path)
+    spec = _logical_spec(names)
+    tp = mesh.shape["tp"]
+    heads_axis = (
+        "tp"
+        if shard_attention_heads and cfg.num_attention_heads % tp == 0 and cfg.num_key_value_heads % tp == 0
+        else None
+    )
+    spec = tuple(heads_axis if s == HEADS else s for s in spec)
+    spec = (None,) * (len(shape) - len(spec)) + spec  # leading stacked-layer axis
+    resolved = []
+    for dim, axis in zip(shape, spec):
+        if axis is not None and dim % mesh.shape[axis]:
+            logger.warning(
+                "replicating dim of size %d of %s: not divisible by mesh axis %s=%d",
+                dim, ".".join(names), axis, mesh.shape[axis],
+            )
+            axis = None
+        resolved.append(axis)
+    return P(*resolved)
+
+
+def param_sharding(path, shape, mesh: Mesh, cfg: ModelConfig, shard_attention_heads: bool = True) -> NamedSharding:
+    return NamedSharding(mesh, param_spec(path, shape, mesh, cfg, shard_attention_heads))
