@@ -12,34 +12,37 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-LogitsFn = Callable[[jax.Array, jax.Array | None], jax.Array]  # (h [n, d], adapter [n] | None) -> f32 [n, v]
+LogitsFn = Callable[[jax.Array, jax.Array | None], jax.Array]  # (h [b, t, d], adapter [b] | None) -> f32 [b, t, v]
 
 
-def logprobs_from_logits(logits_nv: jax.Array, targets_n: jax.Array) -> jax.Array:
-    logits_nv = logits_nv.astype(jnp.float32)
-    target_logit_n = jnp.take_along_axis(logits_nv, targets_n[:, None].astype(jnp.int32), axis=-1)[:, 0]
-    return target_logit_n - jax.nn.logsumexp(logits_nv, axis=-1)
+def logprobs_from_logits(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
+    logits_btv = logits_btv.astype(jnp.float32)
+    target_logit_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return target_logit_bt - jax.nn.logsumexp(logits_btv, axis=-1)
 
 
 def chunked_target_logprobs(
     logits_fn: LogitsFn,
-    hidden_nd: jax.Array,
-    targets_n: jax.Array,
-    adapter_n: jax.Array | None,
+    hidden_btd: jax.Array,
+    targets_bt: jax.Array,
+    adapter_b: jax.Array | None,
     chunk_size: int,
 ) -> jax.Array:
-    """log p(targets_n[i] | hidden_nd[i]) for every token, float32 [n]."""
-    n = hidden_nd.shape[0]
-    chunk = max(1, min(chunk_size, n))
-    pad = -n % chunk
-    chunks = (n + pad) // chunk
-    h_cnd = jnp.pad(hidden_nd, ((0, pad), (0, 0))).reshape(chunks, chunk, -1)
-    t_cn = jnp.pad(targets_n, (0, pad)).reshape(chunks, chunk)
-    a_cn = None if adapter_n is None else jnp.pad(adapter_n, (0, pad)).reshape(chunks, chunk)
+    """log p(targets[b, t] | hidden[b, t]) for every token, float32 [b, t].
+
+    Chunks run along time, `max(1, chunk_size // b)` positions of every row at once (about
+    `chunk_size` tokens), so each chunk keeps the per-row adapter of the batch."""
+    b, t, d = hidden_btd.shape
+    chunk = max(1, min(chunk_size // b, t))
+    pad = -t % chunk
+    chunks = (t + pad) // chunk
+    h_cbkd = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0))).reshape(b, chunks, chunk, d).swapaxes(0, 1)
+    t_cbk = jnp.pad(targets_bt, ((0, 0), (0, pad))).reshape(b, chunks, chunk).swapaxes(0, 1)
 
     @jax.checkpoint
     def one_chunk(args):
-        h_nd, t_n, a_n = args
-        return logprobs_from_logits(logits_fn(h_nd, a_n), t_n)
+        h_bkd, tgt_bk = args
+        return logprobs_from_logits(logits_fn(h_bkd, adapter_b), tgt_bk)
 
-    return jax.lax.map(one_chunk, (h_cnd, t_cn, a_cn)).reshape(-1)[:n]
+    logprobs_cbk = jax.lax.map(one_chunk, (h_cbkd, t_cbk))
+    return logprobs_cbk.swapaxes(0, 1).reshape(b, chunks * chunk)[:, :t]

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tx.kernels.attention import causal_mask
-from tx.kernels.lora import lora_delta
+from tx.kernels.lora import lora_delta_rows
 from tx.models.config import LoraSlots, ModelConfig
 from tx.models.layers.attention import Attention
-from tx.models.layers.lora import LoraContext, lora_variables, make_lora_context
+from tx.models.layers.lora import lora_variables
 from tx.models.layers.mlp import MLP
 from tx.models.layers.moe import SparseMoE
 from tx.models.layers.norm import RMSNorm
@@ -37,9 +37,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack, dtype=dtype)
         self.mlp = SparseMoE(cfg, **kw) if moe else MLP(cfg.hidden_size, cfg.intermediate_size, **kw)
 
-    def __call__(self, x_btd, cos_sin, mask_bts, lora: LoraContext | None) -> jax.Array:
-        x_btd = x_btd + self.self_attn(self.input_layernorm(x_btd), cos_sin, mask_bts, lora)
-        return x_btd + self.mlp(self.post_attention_layernorm(x_btd), lora)
+    def __call__(self, x_btd, cos_sin, mask_bts, adapter_b: jax.Array | None) -> jax.Array:
+        x_btd = x_btd + self.self_attn(self.input_layernorm(x_btd), cos_sin, mask_bts, adapter_b)
+        return x_btd + self.mlp(self.post_attention_layernorm(x_btd), adapter_b)
 
 
 class DecoderStack(nnx.Module):
@@ -51,11 +51,11 @@ class DecoderStack(nnx.Module):
         self.remat = remat
         self.layer = DecoderLayer(cfg, moe=moe, stack=(len(layer_ids),), **kw)
 
-    def __call__(self, x_btd, cos_sin, mask_bts, lora: LoraContext | None) -> jax.Array:
+    def __call__(self, x_btd, cos_sin, mask_bts, adapter_b: jax.Array | None) -> jax.Array:
         graphdef, state = nnx.split(self.layer)
 
         def body(h_btd, layer_state):
-            return nnx.merge(graphdef, layer_state)(h_btd, cos_sin, mask_bts, lora), None
+            return nnx.merge(graphdef, layer_state)(h_btd, cos_sin, mask_bts, adapter_b), None
 
         if self.remat:  # per-layer gradient checkpointing: keep only each layer's input
             body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
@@ -80,16 +80,15 @@ class LMHead(nnx.Module):
             (), slots.max_lora_adapters, slots.max_lora_rank, d, vocab
         )
 
-    def __call__(self, h_nd: jax.Array, embedding_vd: jax.Array, lora: LoraContext | None) -> jax.Array:
-        """float32 logits [n, vocab]."""
-        if self.kernel is None:
-            logits_nv = jnp.dot(h_nd, embedding_vd.T, preferred_element_type=jnp.float32)
-        else:
-            logits_nv = jnp.dot(h_nd, self.kernel[...], preferred_element_type=jnp.float32)
-        if lora is not None:
-            scale_n = self.lora_scale[...][lora.adapter_n]
-            logits_nv = logits_nv + lora_delta(h_nd, lora.routing, self.lora_a[...], self.lora_b[...], scale_n)
-        return logits_nv
+    def __call__(self, h_btd: jax.Array, embedding_vd: jax.Array, adapter_b: jax.Array | None) -> jax.Array:
+        """float32 logits [b, t, vocab]."""
+        w_dv = embedding_vd.T if self.kernel is None else self.kernel[...]
+        logits_btv = jnp.dot(h_btd, w_dv, preferred_element_type=jnp.float32)
+        if adapter_b is not None:
+            logits_btv = logits_btv + lora_delta_rows(
+                h_btd, adapter_b, self.lora_a[...], self.lora_b[...], self.lora_scale[...]
+            )
+        return logits_btv
 
 
 def layer_groups(cfg: ModelConfig) -> list[tuple[bool, tuple[int, ...]]]:
@@ -140,22 +139,14 @@ class Qwen3ForCausalLM(nnx.Module):
             positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         cos_sin = rope_cos_sin(positions_bt, self.config.head_dim, self.config.rope_theta)
         mask_bts = causal_mask(attention_mask_bt, segment_ids_bt)
-        lora = self.lora_context(adapter_indices_b, t)
         x_btd = self.embed_tokens(input_ids_bt)
         for stack in self.stacks:
-            x_btd = stack(x_btd, cos_sin, mask_bts, lora)
+            x_btd = stack(x_btd, cos_sin, mask_bts, adapter_indices_b)
         return self.norm(x_btd)
 
-    def lora_context(self, adapter_indices_b: jax.Array | None, tokens_per_row: int) -> LoraContext | None:
-        if adapter_indices_b is None:
-            return None
-        adapter_n = jnp.repeat(adapter_indices_b.astype(jnp.int32), tokens_per_row)
-        return make_lora_context(adapter_n, self.slots.max_lora_adapters)
-
-    def logits(self, h_nd: jax.Array, adapter_n: jax.Array | None) -> jax.Array:
-        """float32 logits [n, vocab] for flat hidden states (small n: sampling, tests)."""
-        lora = None if adapter_n is None else make_lora_context(adapter_n, self.slots.max_lora_adapters)
-        return self.lm_head(h_nd, self.embed_tokens.embedding[...], lora)
+    def logits(self, h_btd: jax.Array, adapter_indices_b: jax.Array | None) -> jax.Array:
+        """float32 logits [b, t, vocab] (small t: sampling, tests; training uses `target_logprobs`)."""
+        return self.lm_head(h_btd, self.embed_tokens.embedding[...], adapter_indices_b)
 
     def target_logprobs(
         self,
@@ -165,9 +156,4 @@ class Qwen3ForCausalLM(nnx.Module):
         chunk_size: int = 1024,
     ) -> jax.Array:
         """float32 log p(target) [b, t], computed `chunk_size` tokens at a time (no [b, t, vocab] tensor)."""
-        b, t, d = hidden_btd.shape
-        adapter_n = None if adapter_indices_b is None else jnp.repeat(adapter_indices_b.astype(jnp.int32), t)
-        logprobs_n = chunked_target_logprobs(
-            self.logits, hidden_btd.reshape(b * t, d), targets_bt.reshape(-1), adapter_n, chunk_size
-        )
-        return logprobs_n.reshape(b, t)
+        return chunked_target_logprobs(self.logits, hidden_btd, targets_bt, adapter_indices_b, chunk_size)

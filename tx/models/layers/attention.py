@@ -8,7 +8,7 @@ from flax import nnx
 
 from tx.kernels.attention import attention
 from tx.models.config import ModelConfig
-from tx.models.layers.lora import LoraContext, LoRALinear
+from tx.models.layers.lora import LoRALinear
 from tx.models.layers.norm import RMSNorm
 from tx.models.layers.rope import apply_rope
 
@@ -32,12 +32,12 @@ class Attention(nnx.Module):
         x_btd: jax.Array,
         cos_sin: tuple[jax.Array, jax.Array],
         mask_bts: jax.Array,
-        lora: LoraContext | None,
+        adapter_b: jax.Array | None,
     ) -> jax.Array:
         b, t, _ = x_btd.shape
-        q_bthd = self.q_norm(self.q_proj(x_btd, lora).reshape(b, t, self.num_heads, self.head_dim))
-        k_btkd = self.k_norm(self.k_proj(x_btd, lora).reshape(b, t, self.num_kv_heads, self.head_dim))
-        v_btkd = self.v_proj(x_btd, lora).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q_bthd = self.q_norm(self.q_proj(x_btd, adapter_b).reshape(b, t, self.num_heads, self.head_dim))
+        k_btkd = self.k_norm(self.k_proj(x_btd, adapter_b).reshape(b, t, self.num_kv_heads, self.head_dim))
+        v_btkd = self.v_proj(x_btd, adapter_b).reshape(b, t, self.num_kv_heads, self.head_dim)
         q_bthd, k_btkd = apply_rope(q_bthd, *cos_sin), apply_rope(k_btkd, *cos_sin)
         out_bthd = attention(q_bthd, k_btkd, v_btkd, mask_bts, self.head_dim**-0.5)
-        return self.o_proj(out_bthd.reshape(b, t, -1), lora)
+        return self.o_proj(out_bthd.reshape(b, t, -1), adapter_b)

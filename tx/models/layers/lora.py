@@ -8,13 +8,11 @@ base model.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tx.kernels.lora import Routing, lora_delta, make_routing
+from tx.kernels.lora import lora_delta_rows
 
 ADAPTER_AXIS = -3
 _init = nnx.initializers.normal(0.02)
@@ -30,19 +28,6 @@ class LoraB(nnx.Param):
 
 class LoraScale(nnx.Variable):
     """Per-adapter scaling alpha / rank of one module (not trained)."""
-
-
-class LoraContext(NamedTuple):
-    """Which adapter each token belongs to, and the token order grouped by adapter (computed once)."""
-
-    adapter_n: jax.Array  # int32 [n]
-    routing: Routing
-    num_adapters: int
-
-
-def make_lora_context(adapter_n: jax.Array, num_adapters: int) -> LoraContext:
-    adapter_n = adapter_n.astype(jnp.int32)
-    return LoraContext(adapter_n, make_routing(adapter_n, num_adapters), num_adapters)
 
 
 def lora_variables(
@@ -73,15 +58,9 @@ class LoRALinear(nnx.Module):
         self.kernel = nnx.Param(_init(rngs.params(), (*stack, in_f, out_f), dtype))
         self.lora_a, self.lora_b, self.lora_scale = lora_variables(stack, num_adapters, rank, in_f, out_f)
 
-    def __call__(self, x_bti: jax.Array, lora: LoraContext | None) -> jax.Array:
-        y = jnp.dot(x_bti, self.kernel[...], preferred_element_type=jnp.float32)
-        if lora is not None:
-            y = y + self.delta(x_bti, lora)
-        return y.astype(x_bti.dtype)
-
-    def delta(self, x_bti: jax.Array, lora: LoraContext) -> jax.Array:
-        """float32 LoRA delta with the same leading shape as x."""
-        x_ni = x_bti.reshape(-1, x_bti.shape[-1])
-        scale_n = self.lora_scale[...][lora.adapter_n]
-        y_no = lora_delta(x_ni, lora.routing, self.lora_a[...], self.lora_b[...], scale_n)
-        return y_no.reshape(*x_bti.shape[:-1], -1)
+    def __call__(self, x_bti: jax.Array, adapter_b: jax.Array | None) -> jax.Array:
+        """`adapter_b` [b] picks each row's adapter; None computes the base layer only."""
+        y_bto = jnp.dot(x_bti, self.kernel[...], preferred_element_type=jnp.float32)
+        if adapter_b is not None:
+            y_bto = y_bto + lora_delta_rows(x_bti, adapter_b, self.lora_a[...], self.lora_b[...], self.lora_scale[...])
+        return y_bto.astype(x_bti.dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from tx.models.layers.lora import LoraContext, LoRALinear
+from tx.models.layers.lora import LoRALinear
 
 
 class MLP(nnx.Module):
@@ -17,6 +17,6 @@ class MLP(nnx.Module):
         self.up_proj = LoRALinear(d, ff, **kw)
         self.down_proj = LoRALinear(ff, d, **kw)
 
-    def __call__(self, x_btd: jax.Array, lora: LoraContext | None) -> jax.Array:
-        h_btf = jax.nn.silu(self.gate_proj(x_btd, lora)) * self.up_proj(x_btd, lora)
-        return self.down_proj(h_btf, lora)
+    def __call__(self, x_btd: jax.Array, adapter_b: jax.Array | None) -> jax.Array:
+        h_btf = jax.nn.silu(self.gate_proj(x_btd, adapter_b)) * self.up_proj(x_btd, adapter_b)
+        return self.down_proj(h_btf, adapter_b)

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tx.kernels.lora import lora_delta_sorted, make_routing
+from tx.kernels.lora import lora_delta_grouped, make_routing
 from tx.models.config import ModelConfig
-from tx.models.layers.lora import LoraContext, lora_variables
+from tx.models.layers.lora import lora_variables
 
 _init = nnx.initializers.normal(0.02)
 
@@ -54,7 +54,7 @@ class ExpertLinear(nnx.Module):
         )
         if use_lora:
             e, a, i, r = self.lora_a.shape
-            delta_ro = lora_delta_sorted(
+            delta_ro = lora_delta_grouped(
                 x_ri,
                 self.lora_a[...].reshape(e * a, i, r),
                 self.lora_b[...].reshape(e * a, r, -1),
@@ -95,14 +95,14 @@ class SparseMoE(nnx.Module):
             weight_nk = weight_nk / jnp.sum(weight_nk, axis=-1, keepdims=True)
         return expert_nk, weight_nk.astype(x_nd.dtype)
 
-    def __call__(self, x_btd: jax.Array, lora: LoraContext | None) -> jax.Array:
+    def __call__(self, x_btd: jax.Array, adapter_b: jax.Array | None) -> jax.Array:
         b, t, d = x_btd.shape
         x_nd = x_btd.reshape(-1, d)
         n, k, e, a = x_nd.shape[0], self.top_k, self.num_experts, self.num_adapters
         expert_nk, weight_nk = self.route(x_nd)
-        adapter_nk = (
-            jnp.broadcast_to(lora.adapter_n[:, None], (n, k)) if lora is not None else jnp.zeros((n, k), jnp.int32)
-        )
+        use_lora = adapter_b is not None
+        adapter_n = jnp.repeat(adapter_b.astype(jnp.int32), t) if use_lora else jnp.zeros((n,), jnp.int32)
+        adapter_nk = jnp.broadcast_to(adapter_n[:, None], (n, k))
         routing = make_routing((expert_nk * a + adapter_nk).reshape(-1), e * a)
         rows = ExpertRows(
             routing.group_sizes_g.reshape(e, a).sum(axis=1),
@@ -110,7 +110,6 @@ class SparseMoE(nnx.Module):
             adapter_nk.reshape(-1)[routing.sort_n],
         )
         x_rd = x_nd[routing.sort_n // k]
-        use_lora = lora is not None
         h_rf = jax.nn.silu(self.experts.gate_proj(x_rd, rows, use_lora)) * self.experts.up_proj(x_rd, rows, use_lora)
         y_rd = self.experts.down_proj(h_rf, rows, use_lora)
         y_nkd = y_rd[routing.unsort_n].reshape(n, k, d)
