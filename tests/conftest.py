@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny random Qwen3 checkpoints written to a temp dir, and 8 CPU devices for sharding."""
+
+import os
+
+# Must happen before jax is imported anywhere: 8 host devices so mesh tests run on this CPU.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest
+
+from tx.models.tiny import TinySpec, write_tiny_model
+
+# name -> spec; covers tied/untied, GQA ratio 1 and 2, MoE with/without norm_topk_prob, mixed dense/MoE
+# layers, and a sharded safetensors checkpoint.
+TINY_SPECS = {
+    "dense": TinySpec(),
+    "dense_tied_mha": TinySpec(tie_word_embeddings=True, num_kv_heads=4, seed=1),
+    "moe": TinySpec(moe=True, seed=2, shards=3),
+    "moe_no_norm_mixed": TinySpec(
+        moe=True, norm_topk_prob=False, num_layers=4, decoder_sparse_step=2, mlp_only_layers=[3], seed=3
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: str(write_tiny_model(root / name, spec)) for name, spec in TINY_SPECS.items()}
+
+
+@pytest.fixture(params=list(TINY_SPECS))
+def tiny_dir(request, tiny_dirs) -> str:
+    return tiny_dirs[request.param]
