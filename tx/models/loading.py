@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
+from tqdm import tqdm
 
 from tx.models.config import LoraSlots, ModelConfig
 from tx.models.layers.lora import LoraA, LoraB, LoraScale
@@ -188,7 +189,8 @@ def load_model(
     graphdef, state = nnx.split(abstract)
     files = SafetensorsDir(model_dir)
     loaded = {}
-    for path, var in nnx.to_flat_state(state):
+    flat = list(nnx.to_flat_state(state))
+    for path, var in tqdm(flat, desc=f"loading {model_dir.name}", unit="param", disable=None, leave=False):
         names = tuple(str(p) for p in path)
         want = var.get_value()
         sharding = param_sharding(names, want.shape, mesh, cfg, shard_attention_heads)

@@ -1,0 +1,89 @@
+"""Loading: sharded safetensors, bf16, and clear errors for a missing tensor, a wrong shape, an unknown
+architecture and a bad path."""
+
+import json
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.helpers import hf_logprobs, random_batch
+from tests.models.test_qwen3_parity import logprobs
+from tx.models.loading import CheckpointError, load_model
+from tx.models.safetensors_io import SafetensorsDir, save_file
+from tx.models.tiny import TinySpec, write_tiny_model
+
+
+def _rewrite(model_dir, edit):
+    """Rewrite the single-file checkpoint with `edit(tensors)` applied."""
+    files = SafetensorsDir(model_dir)
+    tensors = {k: np.array(files.get(k)) for k in files.keys()}
+    del files
+    edit(tensors)
+    save_file(tensors, model_dir / "model.safetensors")
+
+
+@pytest.fixture
+def dense_copy(tiny_dirs, tmp_path):
+    return shutil.copytree(tiny_dirs["dense"], tmp_path / "m")
+
+
+def test_missing_tensor(dense_copy):
+    _rewrite(dense_copy, lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensor.*model\.layers\.1\.self_attn\.k_norm\.weight"):
+        load_model(dense_copy)
+
+
+def test_wrong_shape(dense_copy):
+    def shrink(t):
+        t["model.layers.0.mlp.up_proj.weight"] = t["model.layers.0.mlp.up_proj.weight"][:100]
+
+    _rewrite(dense_copy, shrink)
+    with pytest.raises(CheckpointError, match=r"stacked tensors have different shapes"):
+        load_model(dense_copy)
+
+    def shrink_all(t):
+        for i in range(2):
+            t[f"model.layers.{i}.mlp.up_proj.weight"] = t[f"model.layers.{i}.mlp.up_proj.weight"][:100]
+
+    _rewrite(dense_copy, shrink_all)
+    with pytest.raises(CheckpointError, match=r"mlp\.up_proj\.kernel: checkpoint gives shape \(2, 64, 100\) but config\.json implies \(2, 64, 128\)"):
+        load_model(dense_copy)
+
+
+def test_unknown_architecture_and_bad_paths(dense_copy, tmp_path):
+    cfg = json.loads((dense_copy / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (dense_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported architecture 'LlamaForCausalLM'; supported: Qwen3ForCausalLM"):
+        load_model(dense_copy)
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        load_model(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_model(tmp_path / "empty")
+    cfg["architectures"] = ["Qwen3ForCausalLM"]
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (dense_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="rope_type='yarn' is not supported"):
+        load_model(dense_copy)
+
+
+def test_bf16_checkpoint_loads_as_bf16(tmp_path):
+    """A bf16 checkpoint keeps bf16 base weights; log-probs stay float32 and agree with transformers'
+    bf16 model to bf16 precision (both differ from exact math by rounding of activations)."""
+    model_dir = write_tiny_model(tmp_path / "bf16", TinySpec(dtype="bfloat16", seed=9))
+    model = load_model(model_dir)
+    assert model.embed_tokens.embedding.get_value().dtype == jnp.bfloat16
+    assert model.stacks[0].layer.self_attn.q_proj.lora_a.get_value().dtype == jnp.float32
+    ids, mask, targets = random_batch(2, [10, 6], 512)
+    got = np.asarray(logprobs(model, ids, mask, jnp.zeros(2, jnp.int32), targets))
+    assert got.dtype == np.float32
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)  # upcast bf16 weights: exact math
+    want = hf_logprobs(hf, ids, mask, targets)
+    err = np.abs(got - want)[mask.astype(bool)]
+    # bf16 activations carry ~3 significant digits through 2 layers; log-probs of ~-6 move by ~0.05
+    assert err.max() < 0.15 and err.mean() < 0.05
