@@ -36,3 +36,40 @@ def peft_weights(peft_model) -> dict[str, tuple[np.ndarray, np.ndarray]]:
                 module.lora_B["default"].weight.detach().numpy().copy(),
             )
     return out
+
+
+def make_batch(requests, **overrides):
+    """A PreparedModelPassBatch from [(request_id, model_id, [datum, ...], loss_fn, loss_fn_config)], where a
+    datum is a dict with input_ids and targets, and optionally weights, logprobs, advantages."""
+    from tx import types
+
+    fields = {k: [] for k in ("all_input_ids", "all_targets", "all_token_weights", "all_sampling_logprobs",
+                              "all_advantages", "all_model_ids", "all_loss_fns", "all_loss_fn_configs")}
+    slices = []
+    for request_id, model_id, datums, loss_fn, config in requests:
+        start = len(fields["all_input_ids"])
+        for d in datums:
+            n = len(d["input_ids"])
+            fields["all_input_ids"].append(list(d["input_ids"]))
+            fields["all_targets"].append(list(d["targets"]))
+            fields["all_token_weights"].append(list(d.get("weights", [1.0] * n)))
+            fields["all_sampling_logprobs"].append(list(d.get("logprobs", [])))
+            fields["all_advantages"].append(list(d.get("advantages", [])))
+            fields["all_model_ids"].append(model_id)
+            fields["all_loss_fns"].append(loss_fn)
+            fields["all_loss_fn_configs"].append(config)
+        slices.append((request_id, model_id, start, len(fields["all_input_ids"])))
+    return types.PreparedModelPassBatch(**fields, request_batch_slices=slices, **overrides)
+
+
+def random_datums(seed: int, lengths: list[int], vocab: int = 512, **extra):
+    """Datums of random token sequences; targets are the next tokens."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        seq = rng.integers(0, vocab, n + 1)
+        datum = {"input_ids": seq[:-1].tolist(), "targets": seq[1:].tolist()}
+        for key, fn in extra.items():
+            datum[key] = fn(rng, n)
+        out.append(datum)
+    return out

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -195,7 +194,10 @@ def load_model(
         want = var.get_value()
         sharding = param_sharding(names, want.shape, mesh, cfg, shard_attention_heads)
         if isinstance(var, (LoraA, LoraB, LoraScale)):
-            value = jax.jit(lambda s=want: jnp.zeros(s.shape, s.dtype), out_shardings=sharding)()
+            value = jax.make_array_from_callback(
+                want.shape, sharding, lambda idx, shp=want.shape, dt=want.dtype: np.zeros(
+                    [len(range(*s.indices(n))) for s, n in zip(idx, shp)], dt)
+            )
         else:
             src = hf_source(names, abstract, files)
             try:

@@ -1,0 +1,259 @@
+"""JaxBackend: parity, isolation between adapters, batching equivalence, AdamW, SFT, custom losses,
+bad inputs, slots and compile counts."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+import torch
+from peft import LoraConfig as PeftLoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+import tx
+from tests.helpers import hf_logprobs, make_batch, random_datums
+from tx import types
+from tx.models.adapters import get_adapter_weights, lora_modules
+
+CONFIG = tx.JaxBackendConfig(max_lora_adapters=4, max_lora_rank=8, max_seq_len=64)
+
+
+def new_backend(tiny_dirs, **overrides):
+    backend = tx.JaxBackend(tiny_dirs["dense"], CONFIG.model_copy(update=overrides))
+    backend.create_model("a", types.LoraConfig(rank=8, alpha=16, seed=1))
+    backend.create_model("b", types.LoraConfig(rank=4, alpha=8, seed=2, train_mlp=False))
+    return backend
+
+
+def ce_request(request_id, model_id, datums):
+    return (request_id, model_id, datums, "cross_entropy", None)
+
+
+def step(backend, model_id, datums, **adam):
+    out = backend.forward_backward(make_batch([ce_request("r", model_id, datums)]))["r"]
+    assert isinstance(out, types.ForwardBackwardOutput), out
+    backend.optim_step(model_id, types.OptimStepInput(adam_params=types.AdamParams(**adam)))
+    return out.metrics["loss:sum"]
+
+
+def slot_weights(backend, model_id):
+    """{"dotted.path.lora_a" / "lora_b" / "lora_scale": that slot's values}."""
+    slot = backend.models[model_id].adapter_index
+    out = {}
+    for path, module, _ in lora_modules(backend.model):
+        for name in ("lora_a", "lora_b", "lora_scale"):
+            value = np.asarray(getattr(module, name).get_value())
+            out[".".join(path + (name,))] = np.take(value, slot, axis=-1 if name == "lora_scale" else -3)
+    return out
+
+
+def test_forward_matches_transformers_and_peft_after_training(tiny_dirs):
+    backend = new_backend(tiny_dirs)
+    train = random_datums(0, [12, 12])
+    for _ in range(3):
+        step(backend, "a", train, learning_rate=1e-2)
+        step(backend, "b", train, learning_rate=1e-2)
+    datums = random_datums(1, [10, 7, 12])
+    batch = make_batch([ce_request("ra", "a", datums[:2]), ce_request("rb", "b", datums[2:])])
+    out = backend.forward(batch)
+    for request_id, model_id, rows in [("ra", "a", datums[:2]), ("rb", "b", datums[2:])]:
+        meta = backend.models[model_id]
+        weights = get_adapter_weights(backend.model, meta.adapter_index, meta.lora_config.rank)
+        assert all(("mlp" in k) == (model_id == "a") for k in weights if "mlp" in k)  # b does not train the MLP
+        base = AutoModelForCausalLM.from_pretrained(tiny_dirs["dense"], dtype=torch.float32)
+        peft = get_peft_model(base, PeftLoraConfig(r=meta.lora_config.rank, lora_alpha=meta.lora_config.alpha,
+                                                   target_modules=sorted(weights), init_lora_weights=False))
+        with torch.no_grad():
+            for name, module in peft.named_modules():
+                key = name.removeprefix("base_model.model.")
+                if key in weights:
+                    module.lora_A["default"].weight.copy_(torch.tensor(weights[key][0]))
+                    module.lora_B["default"].weight.copy_(torch.tensor(weights[key][1]))
+        for datum, output in zip(rows, out[request_id].loss_fn_outputs):
+            ids = np.array([datum["input_ids"]])
+            want = hf_logprobs(peft, ids, np.ones_like(ids), np.array([datum["targets"]]))[0]
+            got = output["logprobs"].to_numpy()
+            assert np.abs(got - want).max() <= 1e-4
+            np.testing.assert_allclose(output["elementwise_loss"].to_numpy(), -got, rtol=1e-6)
+        total = sum(-o["logprobs"].to_numpy().sum() for o in out[request_id].loss_fn_outputs)
+        np.testing.assert_allclose(out[request_id].metrics["loss:sum"], total, rtol=1e-5)
+
+
+def test_training_one_adapter_leaves_the_other_bit_identical(tiny_dirs):
+    backend = new_backend(tiny_dirs)
+    backend.forward_backward(make_batch([ce_request("r", "b", random_datums(2, [9, 5]))]))  # b has grad sums
+    weights_b, grads_b = slot_weights(backend, "b"), backend.grad_sum_of("b")
+    opt_b = jax.tree.map(np.asarray, backend.opt_state_of("b"))
+    assert any(np.any(g) for g in grads_b.values())
+    before_a = slot_weights(backend, "a")
+    for i in range(3):
+        step(backend, "a", random_datums(3 + i, [12, 8]), learning_rate=1e-2, weight_decay=0.1)
+    assert any(not np.array_equal(before_a[k], v) for k, v in slot_weights(backend, "a").items())
+    for k, v in slot_weights(backend, "b").items():
+        assert np.array_equal(weights_b[k], v), k
+    for k, v in backend.grad_sum_of("b").items():
+        assert np.array_equal(grads_b[k], v), k
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, np.asarray(y)), opt_b, backend.opt_state_of("b"))
+
+
+def _grads(backend, model_id):
+    return backend.grad_sum_of(model_id)
+
+
+def _assert_close_trees(x, y, rtol=1e-5):
+    for k in x:
+        scale = max(np.abs(x[k]).max(), 1e-12)
+        assert np.abs(x[k] - y[k]).max() <= rtol * scale, k
+
+
+def test_mixed_batch_equals_separate_calls_and_micro_batches(tiny_dirs):
+    da, db = random_datums(4, [14, 6, 9]), random_datums(5, [3, 11])
+    mixed = new_backend(tiny_dirs)
+    out = mixed.forward_backward(make_batch([ce_request("ra", "a", da), ce_request("rb", "b", db)]))
+    separate = new_backend(tiny_dirs)
+    out_a = separate.forward_backward(make_batch([ce_request("ra", "a", da)]))
+    out_b = separate.forward_backward(make_batch([ce_request("rb", "b", db)]))
+    micro = new_backend(tiny_dirs, train_micro_batch_size=2)
+    out_micro = micro.forward_backward(make_batch([ce_request("ra", "a", da), ce_request("rb", "b", db)]))
+    assert micro.metrics.calls["forward_backward"] == 3  # 5 rows in micro-batches of 2
+    for model_id in ("a", "b"):
+        _assert_close_trees(_grads(mixed, model_id), _grads(separate, model_id))
+        _assert_close_trees(_grads(mixed, model_id), _grads(micro, model_id))
+    for request_id, alone in (("ra", out_a), ("rb", out_b)):
+        for x, y, z in zip(out[request_id].loss_fn_outputs, alone[request_id].loss_fn_outputs,
+                           out_micro[request_id].loss_fn_outputs):
+            # the same datum padded to different lengths (16 alone, 16/24 mixed) gives the same values
+            np.testing.assert_allclose(x["logprobs"].to_numpy(), y["logprobs"].to_numpy(), atol=1e-5)
+            np.testing.assert_allclose(x["logprobs"].to_numpy(), z["logprobs"].to_numpy(), atol=1e-5)
+
+
+def test_adamw_step_matches_optax_and_clipping(tiny_dirs):
+    backend = new_backend(tiny_dirs)
+    backend.forward_backward(make_batch([ce_request("r", "a", random_datums(6, [12, 10]))]))
+    params, grads = slot_weights(backend, "a"), backend.grad_sum_of("a")
+    keys = sorted(k for k in params if not k.endswith("lora_scale"))
+    param_tree = {k: params[k] for k in keys}
+    grad_tree = {k: grads[k] for k in keys}
+    hp = dict(learning_rate=3e-3, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.05, grad_clip_norm=0.5)
+    metrics = backend.optim_step("a", types.OptimStepInput(adam_params=types.AdamParams(**hp))).metrics
+    ref = optax.chain(optax.clip_by_global_norm(hp["grad_clip_norm"]),
+                      optax.adamw(hp["learning_rate"], b1=hp["beta1"], b2=hp["beta2"], eps=hp["eps"],
+                                  weight_decay=hp["weight_decay"]))
+    updates, _ = ref.update(grad_tree, ref.init(param_tree), param_tree)
+    want = optax.apply_updates(param_tree, updates)
+    after = slot_weights(backend, "a")
+    for k in keys:
+        np.testing.assert_allclose(after[k], np.asarray(want[k]), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(metrics["grad_norm"], float(optax.tree.norm(grad_tree)), rtol=1e-5)
+    assert metrics["grad_clip_scale"] < 1 and metrics["accumulated_sequences"] == 2
+    assert not any(np.any(g) for g in backend.grad_sum_of("a").values())  # reset after the step
+
+
+def test_sft_drives_cross_entropy_down(tiny_dirs):
+    backend = tx.JaxBackend(tiny_dirs["dense"], CONFIG.model_copy(update={"max_lora_adapters": 2}))
+    backend.create_model("sft", types.LoraConfig(rank=8, alpha=16, seed=0))
+    data = random_datums(7, [16, 16, 16, 16])
+    losses = [step(backend, "sft", data, learning_rate=2e-2) for _ in range(40)]
+    assert losses[-1] <= 0.1 * losses[0], (losses[0], losses[-1])
+    assert backend.metrics.compiles == {"forward_backward": 1, "optim_step": 1}
+
+
+@tx.losses.register("test_scaled_square", config_defaults={"scale": 1.0})
+def scaled_square(tlp, inputs, config):
+    """A custom loss: scale * advantages * (tlp + 1)^2."""
+    return config["scale"] * inputs["advantages"] * (tlp + 1.0) ** 2
+
+
+def test_custom_loss_trains_and_matches_numpy(tiny_dirs):
+    backend = new_backend(tiny_dirs)
+    datums = random_datums(8, [10, 6], advantages=lambda rng, n: rng.uniform(0.5, 1.5, n).tolist())
+    request = ("r", "a", datums, "test_scaled_square", {"scale": 0.5})
+    first = None
+    for _ in range(5):
+        out = backend.forward_backward(make_batch([request]))["r"]
+        for datum, output in zip(datums, out.loss_fn_outputs):
+            tlp = output["logprobs"].to_numpy()
+            want = 0.5 * np.asarray(datum["advantages"]) * (tlp + 1.0) ** 2
+            np.testing.assert_allclose(output["elementwise_loss"].to_numpy(), want, rtol=1e-5)
+        first = first or out.metrics["loss:sum"]
+        backend.optim_step("a", types.OptimStepInput(adam_params=types.AdamParams(learning_rate=1e-2)))
+    assert out.metrics["loss:sum"] < 0.7 * first
+
+
+BAD = {
+    "unknown model_id": (("unknown", "cross_entropy", None), {}, "unknown model_id 'unknown'"),
+    "unknown loss": (("a", "nope", None), {}, "unknown loss function 'nope'"),
+    "unknown config key": (("a", "ppo", {"eps": 0.2}), {}, "'eps' is not accepted by loss 'ppo'"),
+    "targets length": (("a", "cross_entropy", None), {"targets": [1, 2]}, "target_tokens has 2 entries"),
+    "weights length": (("a", "cross_entropy", None), {"weights": [1.0]}, "weights has 1 entries"),
+    "token id": (("a", "cross_entropy", None), {"input_ids": [1, 512, 3, 4, 5]}, "model_input[1] = 512 is outside"),
+    "negative target": (("a", "cross_entropy", None), {"targets": [1, -1, 3, 4, 5]}, "target_tokens[1] = -1"),
+    "empty": (("a", "cross_entropy", None), {"input_ids": [], "targets": [], "weights": []}, "empty sequence"),
+    "too long": (("a", "cross_entropy", None), {"input_ids": [1] * 65, "targets": [1] * 65, "weights": [1.0] * 65},
+                 "65 tokens exceeds max_seq_len=64"),
+    "nan advantages": (("a", "ppo", None), {"advantages": [0.0, float("nan"), 0, 0, 0]}, "advantages[1] = nan"),
+    "inf logprobs": (("a", "importance_sampling", None), {"logprobs": [0.0, 0, float("-inf"), 0, 0]},
+                     "logprobs[2] = -inf"),
+}
+
+
+@pytest.mark.parametrize("method", ["forward_backward", "forward"])
+def test_bad_inputs_fail_alone_and_change_nothing(tiny_dirs, method):
+    backend = new_backend(tiny_dirs)
+    good = random_datums(9, [7, 5])
+    requests = [ce_request("good", "b", good)]
+    for name, ((model_id, loss, config), changes, _) in BAD.items():
+        datum = random_datums(10, [5])[0] | changes
+        requests.append((name, model_id, [good[1], datum], loss, config))
+    weights_a = slot_weights(backend, "a")
+    out = getattr(backend, method)(make_batch(requests))
+    for name, (_, _, message) in BAD.items():
+        assert isinstance(out[name], types.ErrorResponse), name
+        assert message in out[name].error, (name, out[name].error)
+    alone = new_backend(tiny_dirs)
+    want = getattr(alone, method)(make_batch([ce_request("good", "b", good)]))["good"]
+    assert out["good"].metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-6)
+    for k, v in slot_weights(backend, "a").items():
+        assert np.array_equal(weights_a[k], v)
+    assert not any(np.any(g) for g in backend.grad_sum_of("a").values())
+    if method == "forward_backward":
+        _assert_close_trees(backend.grad_sum_of("b"), alone.grad_sum_of("b"))
+    else:
+        assert not any(np.any(g) for g in backend.grad_sum_of("b").values())
+
+
+def test_slots_create_delete_and_errors(tiny_dirs):
+    backend = new_backend(tiny_dirs)
+    with pytest.raises(ValueError, match="model_id 'a' already exists"):
+        backend.create_model("a", types.LoraConfig(rank=2))
+    with pytest.raises(ValueError, match="LoRA rank 9 must be in"):
+        backend.create_model("c", types.LoraConfig(rank=9))
+    with pytest.raises(ValueError):
+        types.LoraConfig(rank=0)
+    backend.create_model("c", types.LoraConfig(rank=2))
+    with pytest.raises(ValueError, match="no free adapter slot: all 3 slots are in use"):
+        backend.create_model("d", types.LoraConfig(rank=2))
+    step(backend, "a", random_datums(11, [6]), learning_rate=1e-2)
+    slot = backend.models["a"].adapter_index
+    backend.delete_model("a")
+    assert not backend.has_model("a")
+    with pytest.raises(KeyError, match="unknown model_id 'a'"):
+        backend.optim_step("a", types.OptimStepInput())
+    backend.create_model("d", types.LoraConfig(rank=3, seed=5))
+    assert backend.models["d"].adapter_index == slot
+    fresh = tx.JaxBackend(tiny_dirs["dense"], CONFIG)
+    fresh.create_model("d", types.LoraConfig(rank=3, seed=5))
+    fresh_slot = fresh.models["d"].adapter_index
+    for k, v in slot_weights(backend, "d").items():
+        other = slot_weights(fresh, "d")[k]
+        assert np.array_equal(v, other), k  # a reused slot is exactly a fresh adapter
+    assert fresh_slot == 1 and not any(np.any(g) for g in backend.grad_sum_of("d").values())
+
+
+def test_hyperparameters_and_batch_sizes_do_not_recompile(tiny_dirs):
+    backend = new_backend(tiny_dirs)
+    for i, (lr, wd, clip) in enumerate([(1e-3, 0.0, 0.0), (5e-3, 0.1, 1.0), (2e-2, 0.01, 0.3)]):
+        backend.forward_backward(make_batch([ce_request("r", "a", random_datums(i, [5 + i, 9 - i]))]))
+        backend.optim_step("a", types.OptimStepInput(adam_params=types.AdamParams(
+            learning_rate=lr, weight_decay=wd, grad_clip_norm=clip, beta1=0.5 + 0.1 * i)))
+        backend.optim_step("b", types.OptimStepInput())
+    assert backend.metrics.compiles == {"forward_backward": 1, "optim_step": 1}

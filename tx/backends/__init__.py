@@ -1,0 +1,1 @@
+"""Backends: the seed's AbstractBackend contract and its single-program JAX implementation."""

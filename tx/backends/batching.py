@@ -1,0 +1,146 @@
+"""Turn a PreparedModelPassBatch into validated rows and padded, bucketed device batches.
+
+Validation happens per request before anything runs: a request with any bad datum gets an error that
+names the datum, field and value, and the other requests of the batch go on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from tx import losses, types
+
+
+@dataclass
+class Row:
+    """One validated datum."""
+
+    request_index: int
+    adapter: int
+    input_ids: np.ndarray  # int32 [n]
+    targets: np.ndarray  # int32 [n]
+    weights: np.ndarray  # float32 [n]
+    logprobs: np.ndarray  # float32 [n]
+    advantages: np.ndarray  # float32 [n]
+    loss_index: int
+    config: np.ndarray  # float32 [len(losses.config_keys())]
+
+
+def bucket_length(n: int, minimum: int = 16) -> int:
+    """Round up to the next of 16, 24, 32, 48, 64, 96, ... (two significant bits): <= 50% padding,
+    and only a logarithmic number of distinct shapes to compile."""
+    if n <= minimum:
+        return minimum
+    top = 1 << (n - 1).bit_length()  # next power of two >= n
+    return top * 3 // 4 if n <= top * 3 // 4 else top
+
+
+def bucket_rows(n: int, multiple: int) -> int:
+    """Rows padded to a power of two times `multiple` (the fsdp size)."""
+    return multiple * (1 << max(0, math.ceil(math.log2(max(1, math.ceil(n / multiple))))))
+
+
+def _float_field(name: str, values: list[float], n: int, datum: int) -> np.ndarray:
+    """A per-token float input: empty means zeros; otherwise same length as the input and finite."""
+    if len(values) == 0:
+        return np.zeros(n, np.float32)
+    if len(values) != n:
+        raise ValueError(f"datum {datum}: {name} has {len(values)} entries but model_input has {n} tokens")
+    arr = np.asarray(values, np.float64)
+    bad = np.flatnonzero(~np.isfinite(arr))
+    if bad.size:
+        raise ValueError(f"datum {datum}: {name}[{bad[0]}] = {arr[bad[0]]} is not finite")
+    return arr.astype(np.float32)
+
+
+def _token_field(name: str, values: list[int], vocab: int, datum: int) -> np.ndarray:
+    arr = np.asarray(values, np.int64)
+    bad = np.flatnonzero((arr < 0) | (arr >= vocab))
+    if bad.size:
+        raise ValueError(f"datum {datum}: {name}[{bad[0]}] = {arr[bad[0]]} is outside the vocabulary [0, {vocab})")
+    return arr.astype(np.int32)
+
+
+def validate(
+    batch: types.PreparedModelPassBatch,
+    adapter_of: Callable[[str], int],
+    vocab: int,
+    max_seq_len: int,
+) -> tuple[list[Row], dict[int, str]]:
+    """Rows of the valid requests, and an error message per invalid request (by slice index)."""
+    loss_names, keys = losses.names(), losses.config_keys()
+    rows: list[Row] = []
+    errors: dict[int, str] = {}
+    for r, (_, _, start, end) in enumerate(batch.request_batch_slices):
+        request_rows = []
+        try:
+            if start == end:
+                raise ValueError("request has no datums")
+            for i in range(start, end):
+                model_id, ids = batch.all_model_ids[i], batch.all_input_ids[i]
+                adapter = adapter_of(model_id)
+                loss = batch.all_loss_fns[i]
+                losses.get(loss)
+                config = losses.resolve_config(loss, batch.all_loss_fn_configs[i])
+                for key, value in config.items():
+                    if not math.isfinite(value):
+                        raise ValueError(f"loss_fn_config[{key!r}] = {value} is not finite")
+                n = len(ids)
+                if n == 0:
+                    raise ValueError(f"datum {i - start}: empty sequence")
+                if n > max_seq_len:
+                    raise ValueError(f"datum {i - start}: sequence of {n} tokens exceeds max_seq_len={max_seq_len}")
+                if len(batch.all_targets[i]) != n:
+                    raise ValueError(
+                        f"datum {i - start}: target_tokens has {len(batch.all_targets[i])} entries "
+                        f"but model_input has {n} tokens"
+                    )
+                request_rows.append(
+                    Row(
+                        request_index=r,
+                        adapter=adapter,
+                        input_ids=_token_field("model_input", ids, vocab, i - start),
+                        targets=_token_field("target_tokens", batch.all_targets[i], vocab, i - start),
+                        weights=_float_field("weights", batch.all_token_weights[i], n, i - start),
+                        logprobs=_float_field("logprobs", batch.all_sampling_logprobs[i], n, i - start),
+                        advantages=_float_field("advantages", batch.all_advantages[i], n, i - start),
+                        loss_index=loss_names.index(loss),
+                        config=np.asarray([config.get(k, 0.0) for k in keys], np.float32),
+                    )
+                )
+        except (KeyError, ValueError) as e:
+            errors[r] = str(e.args[0]) if e.args else str(e)
+            continue
+        rows.extend(request_rows)
+    return rows, errors
+
+
+def pack(rows: list[Row], num_rows: int, seq_len: int, num_keys: int) -> dict[str, np.ndarray]:
+    """Right-padded arrays; padding rows use adapter 0 and zero everything (they add exactly nothing)."""
+    out = {
+        "input_ids": np.zeros((num_rows, seq_len), np.int32),
+        "attention_mask": np.zeros((num_rows, seq_len), np.int32),
+        "targets": np.zeros((num_rows, seq_len), np.int32),
+        "weights": np.zeros((num_rows, seq_len), np.float32),
+        "logprobs": np.zeros((num_rows, seq_len), np.float32),
+        "advantages": np.zeros((num_rows, seq_len), np.float32),
+        "adapter": np.zeros(num_rows, np.int32),
+        "loss_index": np.zeros(num_rows, np.int32),
+        "config": np.zeros((num_rows, num_keys), np.float32),
+    }
+    for b, row in enumerate(rows):
+        n = len(row.input_ids)
+        out["input_ids"][b, :n] = row.input_ids
+        out["attention_mask"][b, :n] = 1
+        out["targets"][b, :n] = row.targets
+        out["weights"][b, :n] = row.weights
+        out["logprobs"][b, :n] = row.logprobs
+        out["advantages"][b, :n] = row.advantages
+        out["adapter"][b] = row.adapter
+        out["loss_index"][b] = row.loss_index
+        out["config"][b] = row.config
+    return out

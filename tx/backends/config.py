@@ -1,0 +1,31 @@
+"""JaxBackendConfig: every knob of the JAX backend, validated."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class JaxBackendConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_lora_adapters: int = Field(16, ge=2, description="adapter slots including slot 0 (the base model)")
+    max_lora_rank: int = Field(32, ge=1, description="largest LoRA rank; every slot is allocated at this rank")
+    tensor_parallel_size: int = Field(1, ge=1, description="mesh size of the 'tp' axis")
+    expert_parallel_size: int = Field(1, ge=1, description="mesh size of the 'ep' axis")
+    fully_sharded_data_parallel_size: int = Field(1, ge=1, description="mesh size of the 'fsdp' axis")
+    train_micro_batch_size: int = Field(
+        0, ge=0, description="rows per jit call in forward/forward_backward (0 = the whole batch at once)"
+    )
+    sample_max_num_sequences: int = Field(0, ge=0, description="sequences per sampling call (0 = no limit)")
+    max_seq_len: int | None = Field(
+        None, ge=1, description="longest accepted sequence (default: the model's max_position_embeddings)"
+    )
+    enforce_eager: bool = Field(False, description="run without jit (debugging)")
+    shard_attention_heads: bool = Field(True, description="shard attention heads over 'tp' when they divide")
+    gradient_checkpointing: bool = Field(False, description="recompute each layer in the backward pass")
+    loss_chunk_size: int = Field(1024, ge=1, description="tokens per chunk of the log-prob computation")
+    dtype: Literal["float32", "bfloat16"] | None = Field(None, description="base weight dtype (default: checkpoint's)")
+    coordinator_address: str | None = Field(None, description="host:port of process 0 (multi-host)")
+    num_processes: int | None = Field(None, ge=1, description="number of processes (multi-host)")

@@ -1,0 +1,162 @@
+"""Wire and API types of the backend contract (pydantic, validated, `extra="forbid"`).
+
+Names and fields follow the seed contract (AbstractBackend / JaxBackend) and Tinker's semantics.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TensorData(_Strict):
+    """A flat tensor with its dtype and shape, as Tinker's `TensorData`."""
+
+    data: list[float] | list[int]
+    dtype: Literal["float32", "int64", "int32"]
+    shape: list[int] | None = None
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray) -> TensorData:
+        dtype = {np.dtype(np.float32): "float32", np.dtype(np.int64): "int64", np.dtype(np.int32): "int32"}
+        return cls(data=array.reshape(-1).tolist(), dtype=dtype[array.dtype], shape=list(array.shape))
+
+    def to_numpy(self) -> np.ndarray:
+        arr = np.asarray(self.data, dtype=self.dtype)
+        return arr.reshape(self.shape) if self.shape is not None else arr
+
+
+class LoraConfig(_Strict):
+    """One adapter's LoRA settings. Tinker's SDK sends rank, seed and the three train_* flags."""
+
+    rank: int = Field(32, ge=1, description="LoRA rank r (<= the backend's max_lora_rank)")
+    alpha: float = Field(32.0, gt=0, description="scaling numerator: the delta is (alpha / rank) * x A B")
+    seed: int | None = Field(None, description="seed of the A init; None draws one at random")
+    train_attn: bool = Field(True, description="adapt q/k/v/o projections")
+    train_mlp: bool = Field(True, description="adapt MLP (and MoE expert) projections")
+    train_unembed: bool = Field(True, description="adapt the LM head")
+
+    @model_validator(mode="after")
+    def _one_target(self) -> LoraConfig:
+        if not (self.train_attn or self.train_mlp or self.train_unembed):
+            raise ValueError("at least one of train_attn, train_mlp, train_unembed must be true")
+        return self
+
+
+class AdamParams(_Strict):
+    """AdamW hyperparameters of one optim_step (Tinker's defaults)."""
+
+    learning_rate: float = Field(1e-4, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-12, gt=0)
+    weight_decay: float = Field(0.0, ge=0, description="decoupled (AdamW), applied to this adapter only")
+    grad_clip_norm: float = Field(0.0, ge=0, description="clip the global gradient norm to this; 0 = off")
+
+
+class OptimStepInput(_Strict):
+    adam_params: AdamParams = AdamParams()
+
+
+class OptimStepOutput(_Strict):
+    metrics: dict[str, float] = {}
+
+
+class PreparedModelPassBatch(_Strict):
+    """All datums of a batch of forward / forward_backward requests, flattened (one entry per datum)."""
+
+    all_input_ids: list[list[int]]
+    all_targets: list[list[int]]
+    all_token_weights: list[list[float]]
+    all_sampling_logprobs: list[list[float]]
+    all_advantages: list[list[float]]
+    all_model_ids: list[str]
+    all_loss_fns: list[str]
+    all_loss_fn_configs: list[dict[str, float] | None]
+    request_batch_slices: list[tuple[str, str, int, int]] = Field(
+        description="(request_id, model_id, start, end): datums [start, end) belong to that request"
+    )
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> PreparedModelPassBatch:
+        n = len(self.all_input_ids)
+        fields = ("all_targets", "all_token_weights", "all_sampling_logprobs", "all_advantages",
+                  "all_model_ids", "all_loss_fns", "all_loss_fn_configs")
+        for name in fields:
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries, all_input_ids has {n}")
+        for request_id, _, start, end in self.request_batch_slices:
+            if not 0 <= start <= end <= n:
+                raise ValueError(f"request {request_id}: slice [{start}, {end}) outside the batch of {n} datums")
+        return self
+
+
+class ForwardBackwardOutput(_Strict):
+    loss_fn_output_type: str = "ArrayRecord"
+    loss_fn_outputs: list[dict[str, TensorData]] = Field(
+        description="one dict per datum, in request order: 'logprobs' and 'elementwise_loss'"
+    )
+    metrics: dict[str, float] = Field(description="Tinker-style 'name:reduction' keys, e.g. 'loss:sum'")
+
+
+class ErrorResponse(_Strict):
+    error: str
+    status: str = "failed"
+
+
+class ModelMetadata(_Strict):
+    """What the backend holds for one model (adapter)."""
+
+    model_id: str
+    adapter_index: int
+    lora_config: LoraConfig
+    optim_steps: int = 0
+
+
+class EngineMetrics(_Strict):
+    """Counters of the backend's jit-compiled functions (to check bucketing keeps compiles bounded)."""
+
+    compiles: dict[str, int] = {}
+    calls: dict[str, int] = {}
+
+
+# ---- sampling types (filled by the sampling issue) ----
+
+
+class SamplingParams(_Strict):
+    max_tokens: int = Field(16, ge=0)
+    temperature: float = Field(1.0, ge=0)
+    top_k: int = Field(-1, description="-1 or 0 = off")
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = None
+    stop_tokens: list[int] | None = None
+    stop_strings: list[str] | None = None
+
+
+class PreparedSampleBatch(_Strict):
+    all_prompts: list[list[int]]
+    all_sampling_params: list[SamplingParams]
+    all_model_ids: list[str]
+    all_checkpoint_ids: list[str]
+    all_checkpoint_paths: list[str]
+    request_batch_slices: list[tuple[str, str, int, int, bool, int]] = Field(
+        description="(request_id, model_id, start, end, prompt_logprobs, topk_prompt_logprobs)"
+    )
+
+
+class GeneratedSequence(_Strict):
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: Literal["stop", "length"]
+
+
+class SampleOutput(_Strict):
+    sequences: list[GeneratedSequence]
+    prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
