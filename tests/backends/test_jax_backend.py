@@ -257,3 +257,31 @@ def test_hyperparameters_and_batch_sizes_do_not_recompile(tiny_dirs):
             learning_rate=lr, weight_decay=wd, grad_clip_norm=clip, beta1=0.5 + 0.1 * i)))
         backend.optim_step("b", types.OptimStepInput())
     assert backend.metrics.compiles == {"forward_backward": 1, "optim_step": 1}
+
+
+def test_bf16_base_keeps_float32_lora_and_adam_state(tiny_dirs):
+    backend = new_backend(tiny_dirs, dtype="bfloat16")
+    assert backend.model.embed_tokens.embedding.get_value().dtype == np.dtype("bfloat16")
+    out = step(backend, "a", random_datums(12, [9]), learning_rate=1e-2)
+    assert np.isfinite(out)
+    assert all(v.dtype == np.float32 for v in slot_weights(backend, "a").values())
+    assert all(x.dtype in (np.float32, np.int32) for x in jax.tree.leaves(backend.opt_state_of("a")))
+    logprobs = backend.forward(make_batch([ce_request("r", "a", random_datums(13, [6]))]))["r"]
+    assert logprobs.loss_fn_outputs[0]["logprobs"].dtype == "float32"
+
+
+def test_sharded_backend_equals_single_device(tiny_dirs):
+    requests = [ce_request("ra", "a", random_datums(14, [12, 5, 9])), ce_request("rb", "b", random_datums(15, [7]))]
+    single = new_backend(tiny_dirs)
+    sharded = new_backend(tiny_dirs, fully_sharded_data_parallel_size=2, expert_parallel_size=2, tensor_parallel_size=2)
+    for backend in (single, sharded):
+        out = backend.forward_backward(make_batch(requests))
+        backend.optim_step("a", types.OptimStepInput(adam_params=types.AdamParams(learning_rate=1e-2, weight_decay=0.1)))
+        backend.outputs = out
+    for request_id in ("ra", "rb"):
+        for x, y in zip(single.outputs[request_id].loss_fn_outputs, sharded.outputs[request_id].loss_fn_outputs):
+            np.testing.assert_allclose(x["logprobs"].to_numpy(), y["logprobs"].to_numpy(), atol=2e-5)
+    _assert_close_trees(single.grad_sum_of("b"), sharded.grad_sum_of("b"), rtol=1e-4)
+    after_single, after_sharded = slot_weights(single, "a"), slot_weights(sharded, "a")
+    for k in after_single:
+        np.testing.assert_allclose(after_single[k], after_sharded[k], atol=1e-5)
