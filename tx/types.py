@@ -130,13 +130,17 @@ class EngineMetrics(_Strict):
 
 
 class SamplingParams(_Strict):
-    max_tokens: int = Field(16, ge=0)
-    temperature: float = Field(1.0, ge=0)
-    top_k: int = Field(-1, description="-1 or 0 = off")
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
-    stop_tokens: list[int] | None = None
-    stop_strings: list[str] | None = None
+    """Tinker's sampling parameters. Values are checked per request by the backend (a bad value fails that
+    request only), so the fields carry types, not ranges."""
+
+    max_tokens: int | None = Field(None, description="new tokens at most; None = up to the context limit")
+    temperature: float = Field(1.0, description="0 = greedy")
+    top_k: int = Field(-1, description="keep the k most likely tokens; -1 or 0 = off")
+    top_p: float = Field(1.0, description="nucleus mass in (0, 1]; 1 = off")
+    seed: int | None = Field(None, description="sample i of a request uses seed + i; None derives one from the request id")
+    stop: list[int] | list[str] | None = Field(
+        None, description="stop token ids or stop strings; None = the model's EOS; [] = never stop early"
+    )
 
 
 class PreparedSampleBatch(_Strict):

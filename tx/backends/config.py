@@ -19,6 +19,7 @@ class JaxBackendConfig(BaseModel):
         0, ge=0, description="rows per jit call in forward/forward_backward (0 = the whole batch at once)"
     )
     sample_max_num_sequences: int = Field(0, ge=0, description="sequences per sampling call (0 = no limit)")
+    max_num_samples: int = Field(128, ge=1, description="largest num_samples one sampling request may ask for")
     max_seq_len: int | None = Field(
         None, ge=1, description="longest accepted sequence (default: the model's max_position_embeddings)"
     )

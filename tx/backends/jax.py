@@ -22,10 +22,11 @@ from tx import losses, types
 from tx.backends import batching
 from tx.backends.base import AbstractBackend
 from tx.backends.config import JaxBackendConfig
+from tx.backends.sampler import Sampler
 from tx.backends.steps import init_opt_state, make_model_pass, make_optim_step, split_model
 from tx.models.adapters import clear_adapter, init_adapter
 from tx.models.config import LoraSlots
-from tx.models.loading import load_model
+from tx.models.loading import load_model, resolve_model_dir
 from tx.models.sharding import batch_spec, make_mesh
 
 logger = logging.getLogger(__name__)
@@ -45,8 +46,9 @@ class JaxBackend(AbstractBackend):
                 f"fully_sharded_data_parallel_size={fsdp}"
             )
         self.mesh = make_mesh(fsdp, config.expert_parallel_size, config.tensor_parallel_size, jax.devices()[:n])
+        self.model_dir = resolve_model_dir(base_model)
         self.model = load_model(
-            base_model,
+            self.model_dir,
             LoraSlots(max_lora_adapters=config.max_lora_adapters, max_lora_rank=config.max_lora_rank),
             self.mesh,
             dtype=config.dtype,
@@ -62,6 +64,7 @@ class JaxBackend(AbstractBackend):
         self._grad_sum = jax.tree.map(jnp.zeros_like, lora)
         self.metrics = types.EngineMetrics()
         self._fns: dict[Any, Callable] = {}
+        self._sampler = Sampler(self, self.model_dir)
 
     # ---- bookkeeping ----
 
@@ -76,11 +79,11 @@ class JaxBackend(AbstractBackend):
             self._fns[key] = build()
         return self._fns[key]
 
-    def _run(self, name: str, fn: Callable, *args):
+    def _run(self, name: str, fn: Callable, *args, **kwargs):
         self.metrics.calls[name] = self.metrics.calls.get(name, 0) + 1
         ctx = jax.disable_jit() if self.config.enforce_eager else contextlib.nullcontext()
         with ctx:
-            return fn(*args)
+            return fn(*args, **kwargs)
 
     def _slot(self, model_id: str) -> int:
         if model_id not in self.models:
@@ -221,10 +224,13 @@ class JaxBackend(AbstractBackend):
         self.models[model_id] = meta.model_copy(update={"optim_steps": meta.optim_steps + 1})
         return types.OptimStepOutput(metrics=out)
 
-    # ---- later issues ----
+    # ---- sampling ----
 
     def sample(self, prepared_batch: types.PreparedSampleBatch):
-        raise NotImplementedError("sampling is not implemented yet (see the sampling issue)")
+        return self._sampler.sample(prepared_batch)
+
+    # ---- later issues ----
+
 
     def save_checkpoint(self, output_path, model_id: str) -> None:
         raise NotImplementedError("checkpoints are not implemented yet (see the checkpoints issue)")

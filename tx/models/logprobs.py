@@ -28,7 +28,19 @@ def chunked_target_logprobs(
     adapter_b: jax.Array | None,
     chunk_size: int,
 ) -> jax.Array:
-    """log p(targets[b, t] | hidden[b, t]) for every token, float32 [b, t].
+    """log p(targets[b, t] | hidden[b, t]) for every token, float32 [b, t]."""
+    return chunked_logprob_stats(logits_fn, hidden_btd, targets_bt, adapter_b, chunk_size)[0]
+
+
+def chunked_logprob_stats(
+    logits_fn: LogitsFn,
+    hidden_btd: jax.Array,
+    targets_bt: jax.Array,
+    adapter_b: jax.Array | None,
+    chunk_size: int,
+    top_k: int = 0,
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """Target log-probs [b, t] and, if `top_k` > 0, the top-k token ids and log-probs [b, t, k].
 
     Chunks run along time, `max(1, chunk_size // b)` positions of every row at once (about
     `chunk_size` tokens), so each chunk keeps the per-row adapter of the batch."""
@@ -42,7 +54,14 @@ def chunked_target_logprobs(
     @jax.checkpoint
     def one_chunk(args):
         h_bkd, tgt_bk = args
-        return logprobs_from_logits(logits_fn(h_bkd, adapter_b), tgt_bk)
+        logits_bkv = logits_fn(h_bkd, adapter_b)
+        target_bk = logprobs_from_logits(logits_bkv, tgt_bk)
+        if not top_k:
+            return target_bk, None, None
+        top_lp_bkj, top_ids_bkj = jax.lax.top_k(jax.nn.log_softmax(logits_bkv, axis=-1), top_k)
+        return target_bk, top_ids_bkj.astype(jnp.int32), top_lp_bkj
 
-    logprobs_cbk = jax.lax.map(one_chunk, (h_cbkd, t_cbk))
-    return logprobs_cbk.swapaxes(0, 1).reshape(b, chunks * chunk)[:, :t]
+    def unchunk(x):
+        return None if x is None else x.swapaxes(0, 1).reshape(b, chunks * chunk, *x.shape[3:])[:, :t]
+
+    return tuple(unchunk(x) for x in jax.lax.map(one_chunk, (h_cbkd, t_cbk)))

@@ -37,9 +37,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack, dtype=dtype)
         self.mlp = SparseMoE(cfg, **kw) if moe else MLP(cfg.hidden_size, cfg.intermediate_size, **kw)
 
-    def __call__(self, x_btd, cos_sin, mask_bts, adapter_b: jax.Array | None) -> jax.Array:
-        x_btd = x_btd + self.self_attn(self.input_layernorm(x_btd), cos_sin, mask_bts, adapter_b)
-        return x_btd + self.mlp(self.post_attention_layernorm(x_btd), adapter_b)
+    def __call__(self, x_btd, cos_sin, mask_bts, adapter_b: jax.Array | None, cache=None):
+        attn_btd, kv = self.self_attn(self.input_layernorm(x_btd), cos_sin, mask_bts, adapter_b, cache)
+        x_btd = x_btd + attn_btd
+        return x_btd + self.mlp(self.post_attention_layernorm(x_btd), adapter_b), kv
 
 
 class DecoderStack(nnx.Module):
@@ -51,16 +52,23 @@ class DecoderStack(nnx.Module):
         self.remat = remat
         self.layer = DecoderLayer(cfg, moe=moe, stack=(len(layer_ids),), **kw)
 
-    def __call__(self, x_btd, cos_sin, mask_bts, adapter_b: jax.Array | None) -> jax.Array:
+    def __call__(self, x_btd, cos_sin, mask_bts, adapter_b: jax.Array | None, cache=None, return_kv=False):
+        """Hidden states, and keys/values: None; `[L, b, t, kv, d]` pairs if `return_kv` (prefill); or the
+        updated `[L, b, s, kv, d]` cache pair when `cache = (k, v, write_pos_b)` is given (decode)."""
         graphdef, state = nnx.split(self.layer)
 
-        def body(h_btd, layer_state):
-            return nnx.merge(graphdef, layer_state)(h_btd, cos_sin, mask_bts, adapter_b), None
+        def body(h_btd, xs):
+            layer_state, layer_cache = xs
+            h_btd, kv = nnx.merge(graphdef, layer_state)(h_btd, cos_sin, mask_bts, adapter_b, layer_cache)
+            return h_btd, (kv if return_kv or layer_cache is not None else None)
 
         if self.remat:  # per-layer gradient checkpointing: keep only each layer's input
             body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-        x_btd, _ = jax.lax.scan(body, x_btd, state)
-        return x_btd
+        if cache is None:
+            return jax.lax.scan(body, x_btd, (state, None))
+        k_cache, v_cache, write_pos_b = cache
+        xs = (state, (k_cache, v_cache, jnp.broadcast_to(write_pos_b, (k_cache.shape[0], *write_pos_b.shape))))
+        return jax.lax.scan(body, x_btd, xs)
 
 
 class Embedding(nnx.Module):
@@ -137,12 +145,45 @@ class Qwen3ForCausalLM(nnx.Module):
         b, t = input_ids_bt.shape
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        cos_sin = rope_cos_sin(positions_bt, self.config.head_dim, self.config.rope_theta)
         mask_bts = causal_mask(attention_mask_bt, segment_ids_bt)
-        x_btd = self.embed_tokens(input_ids_bt)
-        for stack in self.stacks:
-            x_btd = stack(x_btd, cos_sin, mask_bts, adapter_indices_b)
-        return self.norm(x_btd)
+        hidden_btd, _ = self._layers(input_ids_bt, positions_bt, mask_bts, adapter_indices_b, None, False)
+        return hidden_btd
+
+    def prefill(
+        self, input_ids_bt: jax.Array, attention_mask_bt: jax.Array, adapter_indices_b: jax.Array | None
+    ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
+        """Hidden states [b, t, d] of a right-padded prompt batch and each stack's keys/values
+        `[L, b, t, kv, d]` (to be padded into a decode cache)."""
+        b, t = input_ids_bt.shape
+        positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        return self._layers(input_ids_bt, positions_bt, causal_mask(attention_mask_bt), adapter_indices_b, None, True)
+
+    def decode_step(
+        self,
+        tokens_b: jax.Array,
+        positions_b: jax.Array,
+        caches: list[tuple[jax.Array, jax.Array]],
+        adapter_indices_b: jax.Array | None,
+    ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
+        """One new token per row at `positions_b`: writes its keys/values into each stack's cache
+        `[L, b, s, kv, d]` at that position, attends over cache entries `<= position`, and returns the final
+        hidden state [b, d] and the updated caches."""
+        cache_len = caches[0][0].shape[2]
+        mask_b1s = (jnp.arange(cache_len)[None, :] <= positions_b[:, None])[:, None, :]
+        hidden_b1d, caches = self._layers(
+            tokens_b[:, None], positions_b[:, None], mask_b1s, adapter_indices_b, (caches, positions_b), False
+        )
+        return hidden_b1d[:, 0], caches
+
+    def _layers(self, ids_bt, positions_bt, mask_bts, adapter_b, decode, return_kv):
+        cos_sin = rope_cos_sin(positions_bt, self.config.head_dim, self.config.rope_theta)
+        x_btd = self.embed_tokens(ids_bt)
+        kvs = []
+        for i, stack in enumerate(self.stacks):
+            cache = None if decode is None else (*decode[0][i], decode[1])
+            x_btd, kv = stack(x_btd, cos_sin, mask_bts, adapter_b, cache, return_kv)
+            kvs.append(kv)
+        return self.norm(x_btd), kvs
 
     def logits(self, h_btd: jax.Array, adapter_indices_b: jax.Array | None) -> jax.Array:
         """float32 logits [b, t, vocab] (small t: sampling, tests; training uses `target_logprobs`)."""

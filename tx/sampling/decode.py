@@ -1,0 +1,85 @@
+"""Prefill + on-device decode loop with a KV cache, for rows of different adapters and parameters.
+
+Shapes are static per (rows, prompt bucket, new-token bucket, stop-list bucket); every parameter value
+(max_tokens within the bucket, temperature, top-k, top-p, seeds, stop tokens) is a traced array, so
+changing them never recompiles. The loop exits as soon as every row has stopped.
+
+Returned log-probs are float32 `log_softmax` of the model's unscaled distribution (temperature 1, no
+top-k / top-p filtering) at each step, i.e. exactly what `forward` gives for the same tokens; this is
+the denominator RL importance ratios need.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from tx.sampling.filters import row_keys, select_tokens
+
+
+class DecodeInputs(NamedTuple):
+    prompt_bt: jax.Array  # int32 [b, p], right-padded
+    prompt_len_b: jax.Array  # int32 [b] (>= 1 for real rows)
+    adapter_b: jax.Array  # int32 [b]
+    max_tokens_b: jax.Array  # int32 [b]
+    temperature_b: jax.Array  # float32 [b]
+    top_k_b: jax.Array  # int32 [b]
+    top_p_b: jax.Array  # float32 [b]
+    seed_b: jax.Array  # uint32 [b]
+    stop_bs: jax.Array  # int32 [b, s], -1 = unused
+
+
+class DecodeOutputs(NamedTuple):
+    tokens_bn: jax.Array  # int32 [b, max_new]
+    logprobs_bn: jax.Array  # float32 [b, max_new]
+    length_b: jax.Array  # int32 [b]: tokens generated, stop token included
+    stopped_b: jax.Array  # bool [b]: ended on a stop token (else: length)
+
+
+def last_token_logits(model, hidden_btd: jax.Array, length_b: jax.Array, adapter_b: jax.Array) -> jax.Array:
+    last_bd = jnp.take_along_axis(hidden_btd, (length_b - 1)[:, None, None], axis=1)[:, 0]
+    return model.logits(last_bd[:, None, :], adapter_b)[:, 0]
+
+
+def generate(model, inp: DecodeInputs, max_new: int) -> DecodeOutputs:
+    """Sample up to `max_new` (static) and each row's `max_tokens` new tokens per row."""
+    b, p = inp.prompt_bt.shape
+    mask_bt = jnp.arange(p)[None, :] < inp.prompt_len_b[:, None]
+    hidden_btd, kvs = model.prefill(inp.prompt_bt, mask_bt.astype(jnp.int32), inp.adapter_b)
+    pad = [(0, 0), (0, 0), (0, max_new), (0, 0), (0, 0)]  # [L, b, p + max_new, kv, d]
+    caches = [(jnp.pad(k, pad), jnp.pad(v, pad)) for k, v in kvs]
+    logits_bv = last_token_logits(model, hidden_btd, inp.prompt_len_b, inp.adapter_b)
+
+    def cond(state):
+        step, _, _, _, _, length_b, done_b = state
+        return (step < max_new) & ~jnp.all(done_b)
+
+    def body(state):
+        step, logits_bv, caches, tokens_bn, logprobs_bn, length_b, done_b = state
+        token_b = select_tokens(logits_bv, row_keys(inp.seed_b, step), inp.temperature_b, inp.top_k_b, inp.top_p_b)
+        logprob_b = jnp.take_along_axis(jax.nn.log_softmax(logits_bv, axis=-1), token_b[:, None], axis=-1)[:, 0]
+        active_b = ~done_b
+        tokens_bn = tokens_bn.at[:, step].set(jnp.where(active_b, token_b, 0))
+        logprobs_bn = logprobs_bn.at[:, step].set(jnp.where(active_b, logprob_b, 0.0))
+        length_b = length_b + active_b
+        hit_stop_b = jnp.any(inp.stop_bs == token_b[:, None], axis=-1)
+        done_b = done_b | (active_b & (hit_stop_b | (length_b >= inp.max_tokens_b)))
+        hidden_bd, caches = model.decode_step(token_b, inp.prompt_len_b + step, caches, inp.adapter_b)
+        logits_bv = model.logits(hidden_bd[:, None, :], inp.adapter_b)[:, 0]
+        return step + 1, logits_bv, caches, tokens_bn, logprobs_bn, length_b, done_b
+
+    state = (
+        jnp.int32(0),
+        logits_bv,
+        caches,
+        jnp.zeros((b, max_new), jnp.int32),
+        jnp.zeros((b, max_new), jnp.float32),
+        jnp.zeros(b, jnp.int32),
+        inp.max_tokens_b <= 0,
+    )
+    _, _, _, tokens_bn, logprobs_bn, length_b, _ = jax.lax.while_loop(cond, body, state)
+    last_b = jnp.take_along_axis(tokens_bn, jnp.maximum(length_b - 1, 0)[:, None], axis=-1)[:, 0]
+    stopped_b = (length_b > 0) & jnp.any(inp.stop_bs == last_b[:, None], axis=-1)
+    return DecodeOutputs(tokens_bn, logprobs_bn, length_b, stopped_b)

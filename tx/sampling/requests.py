@@ -1,0 +1,130 @@
+"""Sampling requests on the host: per-request validation, per-row parameters, stop strings.
+
+Rows: every sample of every request is one row (`request_batch_slices` give each request's rows). A
+request with any bad value gets one error naming the field and value; the others go on.
+
+Seeds: a row uses `seed + i` for the i-th sample of its request; with no seed, `seed` is derived from
+the request id (crc32), which is the same on every host and for retries of the same request.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from tx import types
+
+
+@dataclass
+class SampleRow:
+    request_index: int
+    prompt: np.ndarray  # int32 [n]
+    adapter: int
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    stop_tokens: list[int]
+    stop_strings: list[str]
+
+
+@dataclass(frozen=True)
+class SampleLimits:
+    vocab: int
+    max_seq_len: int
+    max_num_samples: int
+    eos_ids: tuple[int, ...]
+
+
+def _check_params(p: types.SamplingParams, prompt_len: int, limits: SampleLimits) -> int:
+    """Validate one request's parameters; return its effective max_tokens."""
+    room = limits.max_seq_len - prompt_len
+    if room < 1:
+        raise ValueError(f"prompt of {prompt_len} tokens leaves no room under max_seq_len={limits.max_seq_len}")
+    max_tokens = room if p.max_tokens is None else p.max_tokens
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens = {max_tokens} must be >= 0")
+    if max_tokens > room:
+        raise ValueError(
+            f"prompt of {prompt_len} tokens + max_tokens = {max_tokens} exceeds max_seq_len={limits.max_seq_len}"
+        )
+    if not math.isfinite(p.temperature) or p.temperature < 0:
+        raise ValueError(f"temperature = {p.temperature} must be a finite number >= 0")
+    if not (math.isfinite(p.top_p) and 0 < p.top_p <= 1):
+        raise ValueError(f"top_p = {p.top_p} must be in (0, 1]")
+    if p.top_k < -1:
+        raise ValueError(f"top_k = {p.top_k} must be -1 (off), 0 (off) or a positive count")
+    for s in p.stop or []:
+        if isinstance(s, int) and not 0 <= s < limits.vocab:
+            raise ValueError(f"stop token {s} is outside the vocabulary [0, {limits.vocab})")
+        if isinstance(s, str) and not s:
+            raise ValueError("stop strings must be non-empty")
+    return max_tokens
+
+
+def validate(
+    batch: types.PreparedSampleBatch, adapter_of: Callable[[str], int], limits: SampleLimits
+) -> tuple[list[SampleRow], dict[int, str]]:
+    rows: list[SampleRow] = []
+    errors: dict[int, str] = {}
+    for r, (request_id, _, start, end, _, topk) in enumerate(batch.request_batch_slices):
+        try:
+            if not 0 <= start < end <= len(batch.all_prompts):
+                raise ValueError(f"request has no samples (slice [{start}, {end}))")
+            if end - start > limits.max_num_samples:
+                raise ValueError(f"num_samples = {end - start} exceeds max_num_samples={limits.max_num_samples}")
+            if topk < 0:
+                raise ValueError(f"topk_prompt_logprobs = {topk} must be >= 0")
+            request_rows = []
+            for i in range(start, end):
+                prompt = np.asarray(batch.all_prompts[i], np.int64)
+                if prompt.size == 0:
+                    raise ValueError("empty prompt")
+                bad = np.flatnonzero((prompt < 0) | (prompt >= limits.vocab))
+                if bad.size:
+                    raise ValueError(f"prompt[{bad[0]}] = {prompt[bad[0]]} is outside the vocabulary [0, {limits.vocab})")
+                params = batch.all_sampling_params[i]
+                max_tokens = _check_params(params, prompt.size, limits)
+                model_id = batch.all_model_ids[i]
+                adapter = adapter_of(model_id) if model_id else 0
+                seed = params.seed if params.seed is not None else zlib.crc32(request_id.encode())
+                stop = list(limits.eos_ids) if params.stop is None else params.stop
+                request_rows.append(
+                    SampleRow(
+                        request_index=r,
+                        prompt=prompt.astype(np.int32),
+                        adapter=adapter,
+                        max_tokens=max_tokens,
+                        temperature=params.temperature,
+                        top_k=params.top_k,
+                        top_p=params.top_p,
+                        seed=(seed + i - start) % 2**32,
+                        stop_tokens=[s for s in stop if isinstance(s, int)],
+                        stop_strings=[s for s in stop if isinstance(s, str)],
+                    )
+                )
+        except (KeyError, ValueError) as e:
+            errors[r] = str(e.args[0]) if e.args else str(e)
+            continue
+        rows.extend(request_rows)
+    return rows, errors
+
+
+def truncate_at_stop_string(tokens: list[int], stops: list[str], decode: Callable[[list[int]], str]) -> int | None:
+    """Length of the shortest prefix of `tokens` whose text contains a stop string (the stop is included),
+    or None. Binary search on prefix length: containment is monotone in the prefix."""
+    if not stops or not any(s in decode(tokens) for s in stops):
+        return None
+    lo, hi = 1, len(tokens)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(s in decode(tokens[:mid]) for s in stops):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
