@@ -8,6 +8,7 @@ adapter's own optimizer state. The multi-host wrapper (distributed issue) broadc
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 import logging
 import zlib
 from typing import Any, Callable
@@ -21,8 +22,10 @@ from jax.sharding import NamedSharding
 from tx import losses, types
 from tx.backends import batching
 from tx.backends.base import AbstractBackend
+from tx.backends.checkpointing import CheckpointMixin
 from tx.backends.config import JaxBackendConfig
 from tx.backends.sampler import Sampler
+from tx.backends.slots import SlotTable
 from tx.backends.steps import init_opt_state, make_model_pass, make_optim_step, split_model
 from tx.models.adapters import clear_adapter, init_adapter
 from tx.models.config import LoraSlots
@@ -32,7 +35,7 @@ from tx.models.sharding import batch_spec, make_mesh
 logger = logging.getLogger(__name__)
 
 
-class JaxBackend(AbstractBackend):
+class JaxBackend(CheckpointMixin, AbstractBackend):
     def __init__(self, base_model: str, config: JaxBackendConfig | None = None):
         self.base_model = base_model
         self.config = config = config or JaxBackendConfig()
@@ -59,7 +62,8 @@ class JaxBackend(AbstractBackend):
         self.models: dict[str, types.ModelMetadata] = {}
         self._opt_states: dict[str, Any] = {}
         self._accumulated: dict[str, dict[str, float]] = {}
-        self._free_slots = list(range(1, config.max_lora_adapters))
+        self.slots = SlotTable(config.max_lora_adapters)
+        self._snapshots: OrderedDict[str, Any] = OrderedDict()
         _, lora, _ = split_model(self.model)
         self._grad_sum = jax.tree.map(jnp.zeros_like, lora)
         self.metrics = types.EngineMetrics()
@@ -100,14 +104,14 @@ class JaxBackend(AbstractBackend):
             raise ValueError(f"model_id {model_id!r} already exists")
         if not 1 <= lora_config.rank <= self.config.max_lora_rank:
             raise ValueError(f"LoRA rank {lora_config.rank} must be in [1, max_lora_rank={self.config.max_lora_rank}]")
-        if not self._free_slots:
+        slot = self.slots.take()
+        if slot is None:
             raise ValueError(
                 f"no free adapter slot: all {self.config.max_lora_adapters - 1} slots are in use "
                 f"(max_lora_adapters={self.config.max_lora_adapters}, slot 0 is the base model)"
             )
         # An unseeded adapter gets a seed derived from its id: reproducible, and equal on every host.
         seed = lora_config.seed if lora_config.seed is not None else zlib.crc32(model_id.encode())
-        slot = self._free_slots.pop(0)
         init_adapter(
             self.model, slot, rank=lora_config.rank, alpha=lora_config.alpha, seed=seed,
             train_attn=lora_config.train_attn, train_mlp=lora_config.train_mlp, train_unembed=lora_config.train_unembed,
@@ -125,8 +129,7 @@ class JaxBackend(AbstractBackend):
         clear_adapter(self.model, slot)
         self._grad_sum = jax.tree.map(lambda g: g.at[..., slot, :, :].set(0), self._grad_sum)
         del self.models[model_id], self._opt_states[model_id], self._accumulated[model_id]
-        self._free_slots.append(slot)
-        self._free_slots.sort()
+        self.slots.release(slot)
         logger.info("deleted model %s, freed slot %d", model_id, slot)
 
     def grad_sum_of(self, model_id: str) -> dict:
@@ -228,15 +231,3 @@ class JaxBackend(AbstractBackend):
 
     def sample(self, prepared_batch: types.PreparedSampleBatch):
         return self._sampler.sample(prepared_batch)
-
-    # ---- later issues ----
-
-
-    def save_checkpoint(self, output_path, model_id: str) -> None:
-        raise NotImplementedError("checkpoints are not implemented yet (see the checkpoints issue)")
-
-    def load_checkpoint(self, checkpoint_path, model_id: str) -> None:
-        raise NotImplementedError("checkpoints are not implemented yet (see the checkpoints issue)")
-
-    def save_sampler_checkpoint(self, output_path, model_id: str, persist: bool = True) -> None:
-        raise NotImplementedError("sampler checkpoints are not implemented yet (see the checkpoints issue)")

@@ -159,7 +159,16 @@ class Sampler:
             max_num_samples=backend.config.max_num_samples,
             eos_ids=self.eos_ids,
         )
-        rows, errors = validate(batch, backend._slot, limits)
+        pinned: set[int] = set()  # sampler-checkpoint slots this batch uses: not to be evicted mid-batch
+
+        def adapter_of(model_id: str, checkpoint_path: str) -> int:
+            if checkpoint_path:
+                slot = backend._sampler_slot(checkpoint_path, pinned)
+                pinned.add(slot)
+                return slot
+            return backend._slot(model_id) if model_id else 0
+
+        rows, errors = validate(batch, adapter_of, limits)
         results: dict[str, types.SampleOutput | types.ErrorResponse] = {
             batch.request_batch_slices[r][0]: types.ErrorResponse(error=msg) for r, msg in errors.items()
         }

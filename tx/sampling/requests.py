@@ -68,7 +68,7 @@ def _check_params(p: types.SamplingParams, prompt_len: int, limits: SampleLimits
 
 
 def validate(
-    batch: types.PreparedSampleBatch, adapter_of: Callable[[str], int], limits: SampleLimits
+    batch: types.PreparedSampleBatch, adapter_of: Callable[[str, str], int], limits: SampleLimits
 ) -> tuple[list[SampleRow], dict[int, str]]:
     rows: list[SampleRow] = []
     errors: dict[int, str] = {}
@@ -90,8 +90,7 @@ def validate(
                     raise ValueError(f"prompt[{bad[0]}] = {prompt[bad[0]]} is outside the vocabulary [0, {limits.vocab})")
                 params = batch.all_sampling_params[i]
                 max_tokens = _check_params(params, prompt.size, limits)
-                model_id = batch.all_model_ids[i]
-                adapter = adapter_of(model_id) if model_id else 0
+                adapter = adapter_of(batch.all_model_ids[i], batch.all_checkpoint_paths[i])
                 seed = params.seed if params.seed is not None else zlib.crc32(request_id.encode())
                 stop = list(limits.eos_ids) if params.stop is None else params.stop
                 request_rows.append(
@@ -108,7 +107,7 @@ def validate(
                         stop_strings=[s for s in stop if isinstance(s, str)],
                     )
                 )
-        except (KeyError, ValueError) as e:
+        except (KeyError, ValueError, FileNotFoundError) as e:
             errors[r] = str(e.args[0]) if e.args else str(e)
             continue
         rows.extend(request_rows)

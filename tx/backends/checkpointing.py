@@ -1,0 +1,171 @@
+"""JaxBackend's checkpoint methods: training state (orbax) and sampler weights (PEFT tarballs).
+
+Mixed into JaxBackend; everything here reads and writes one adapter slot of the backend's model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tarfile
+import tempfile
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tx import types
+from tx.backends.steps import init_opt_state, put_slot, take_slot
+from tx.checkpoints import peft_format, storage, training
+from tx.models.adapters import set_adapter_weights
+from tx.models.layers.lora import LoraA, LoraB, LoraScale
+
+logger = logging.getLogger(__name__)
+SAMPLER_FORMAT = "tx-sampler-checkpoint-v1"
+EPHEMERAL_CACHE = 8  # in-memory sampler snapshots kept for persist=False saves
+
+
+def _split(model) -> tuple[nnx.GraphDef, nnx.State, nnx.State, nnx.State]:
+    return nnx.split(model, (LoraA, LoraB), LoraScale, ...)
+
+
+def _take_scales(scales: nnx.State, slot: int) -> Any:
+    return jax.tree.map(lambda x: x[..., slot], scales)
+
+
+def _put_scales(scales: nnx.State, values: Any, slot: int) -> Any:
+    return jax.tree.map(lambda x, v: x.at[..., slot].set(v), scales, values)
+
+
+class CheckpointMixin:
+    """Needs: model, mesh, models, slots, _opt_states, _grad_sum, _accumulated, base_model, _slot()."""
+
+    _snapshots: OrderedDict[str, tuple[Any, Any]]
+
+    # ---- training state ----
+
+    def save_checkpoint(self, output_path, model_id: str) -> None:
+        slot = self._slot(model_id)
+        meta = self.models[model_id]
+        _, lora, scales, _ = _split(self.model)
+        training.save(
+            output_path,
+            weights=take_slot(lora, jnp.int32(slot)),
+            scales=_take_scales(scales, slot),
+            opt_state=self._opt_states[model_id],
+            rank=meta.lora_config.rank,
+            metadata={
+                "base_model": self.base_model,
+                "base": training.base_signature(self.model.config),
+                "lora_config": meta.lora_config.model_dump(),
+                "optim_steps": meta.optim_steps,
+                "saved_at": time.time(),
+            },
+        )
+        logger.info("saved training checkpoint of %s to %s", model_id, output_path)
+
+    def checkpoint_metadata(self, checkpoint_path) -> dict:
+        """Metadata of a training checkpoint (its LoraConfig lets an engine recreate the model first)."""
+        return training.read_metadata(checkpoint_path)
+
+    def load_checkpoint(self, checkpoint_path, model_id: str, load_optimizer: bool = True) -> None:
+        slot = self._slot(model_id)
+        meta = training.read_metadata(checkpoint_path)
+        current = training.base_signature(self.model.config)
+        if meta.get("base") != current:
+            raise training.CheckpointError(
+                f"checkpoint at {checkpoint_path} was saved for base model {meta.get('base_model')!r} "
+                f"({meta.get('base')}), this backend serves {self.base_model!r} ({current})"
+            )
+        rank = self.models[model_id].lora_config.rank
+        if meta["rank"] != rank:
+            raise training.CheckpointError(
+                f"checkpoint at {checkpoint_path} has LoRA rank {meta['rank']}, model {model_id!r} has rank {rank}"
+            )
+        _, lora, scales, _ = _split(self.model)
+        _, weights, new_scales, opt_state = training.load(
+            checkpoint_path,
+            weights=take_slot(lora, jnp.int32(slot)),
+            scales=_take_scales(scales, slot),
+            opt_state=self._opt_states[model_id],
+            mesh=self.mesh,
+            load_optimizer=load_optimizer,
+        )
+        # Everything is read and validated: now change state.
+        nnx.update(self.model, put_slot(lora, weights, jnp.int32(slot)), _put_scales(scales, new_scales, slot))
+        self._opt_states[model_id] = opt_state if load_optimizer else init_opt_state(
+            _split(self.model)[1], slot, self.mesh)
+        self._grad_sum = jax.tree.map(lambda g: g.at[..., slot, :, :].set(0), self._grad_sum)
+        self._accumulated[model_id] = {"sequences": 0, "tokens": 0}
+        self.models[model_id] = self.models[model_id].model_copy(update={
+            "lora_config": types.LoraConfig(**meta["lora_config"]), "optim_steps": meta.get("optim_steps", 0)})
+        logger.info("loaded %s into %s (optimizer: %s)", checkpoint_path, model_id, load_optimizer)
+
+    # ---- sampler weights ----
+
+    def save_sampler_checkpoint(self, output_path, model_id: str, persist: bool = True) -> None:
+        """PEFT tarball at `output_path` (persist) or a small marker (persist=False); in both cases a
+        snapshot of the weights stays in memory for sampling."""
+        slot = self._slot(model_id)
+        meta = self.models[model_id]
+        key = str(output_path)
+        info = {"format": SAMPLER_FORMAT, "model_id": model_id, "persisted": persist, "base_model": self.base_model,
+                "base": training.base_signature(self.model.config), "rank": meta.lora_config.rank,
+                "saved_at": time.time()}
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            if persist:
+                adapter = tmp / "adapter"
+                peft_format.export_adapter(self.model, slot, meta.lora_config.rank, meta.lora_config.alpha,
+                                           self.base_model, adapter)
+                (adapter / "tx_metadata.json").write_text(json.dumps(info, indent=2))
+                storage.pack_tar(adapter, tmp / "out.tar.gz")
+                storage.write_file_atomic(output_path, tmp / "out.tar.gz")
+            else:
+                (tmp / "marker.json").write_text(json.dumps(info))
+                storage.write_file_atomic(output_path, tmp / "marker.json")
+        _, lora, scales, _ = _split(self.model)
+        self._snapshots[key] = (take_slot(lora, jnp.int32(slot)), _take_scales(scales, slot))
+        self._snapshots.move_to_end(key)
+        while len(self._snapshots) > EPHEMERAL_CACHE:
+            self._snapshots.popitem(last=False)
+        self.slots.forget(key)  # an older version of this path may be cached in a slot
+
+    def _sampler_slot(self, path: str, pinned: set[int]) -> int:
+        """The slot holding sampler checkpoint `path`, loading it into a spare slot if needed."""
+        slot = self.slots.cached(path)
+        if slot is not None:
+            return slot
+        snapshot = self._snapshots.get(path)
+        weights = None if snapshot is not None else self._read_sampler_checkpoint(path)
+        slot = self.slots.lend(path, pinned)
+        if slot is None:
+            raise ValueError(f"no free adapter slot to load sampler checkpoint {path} (all slots hold models)")
+        if snapshot is not None:
+            _, lora, scales, _ = _split(self.model)
+            nnx.update(self.model, put_slot(lora, snapshot[0], jnp.int32(slot)), _put_scales(scales, snapshot[1], slot))
+        else:
+            adapter_weights, rank, alpha = weights
+            set_adapter_weights(self.model, slot, adapter_weights, alpha=alpha, rank=rank)
+        logger.info("sampler checkpoint %s loaded into slot %d", path, slot)
+        return slot
+
+    def _read_sampler_checkpoint(self, path: str):
+        with storage.read_file(path) as local, tempfile.TemporaryDirectory() as tmp:
+            try:
+                marker = json.loads(local.read_text())
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                marker = None
+            if marker is not None:
+                raise storage.CheckpointNotFound(
+                    f"sampler checkpoint {path} was saved with persist=False and is no longer in memory")
+            try:
+                storage.unpack_tar(local, Path(tmp))
+            except (tarfile.TarError, OSError, EOFError) as e:
+                raise ValueError(f"sampler checkpoint {path} is not a readable tar.gz: {e}") from None
+            self.metrics.calls["load_sampler_checkpoint"] = self.metrics.calls.get("load_sampler_checkpoint", 0) + 1
+            return peft_format.import_adapter(self.model, Path(tmp), self.config.max_lora_rank)

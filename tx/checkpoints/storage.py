@@ -1,0 +1,140 @@
+"""Where checkpoints live: local paths and cloud URLs (`gs://`, `s3://`, ... via cloudpathlib), written
+crash-safely, and tarballs unpacked safely.
+
+Directories (training checkpoints) are versioned: files go to `<path>/v-<id>/` and `<path>/LATEST`, a
+one-line pointer, is written last. A crash before that leaves the previous version current; old
+versions are removed after the pointer moves. Single files (sampler tarballs) are written under a
+temporary name and renamed (local), or uploaded in one object write (cloud), so readers see either the
+old or the new file. Remote paths are staged in a local temp directory and copied with cloudpathlib,
+the same code for every cloud scheme.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tarfile
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+from cloudpathlib import AnyPath, CloudPath
+
+POINTER = "LATEST"
+
+
+class CheckpointNotFound(FileNotFoundError):
+    pass
+
+
+def as_path(path: str | os.PathLike) -> Path | CloudPath:
+    return AnyPath(str(path))
+
+
+def is_remote(path) -> bool:
+    return isinstance(as_path(path), CloudPath)
+
+
+@contextlib.contextmanager
+def write_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a local directory to fill; on success it becomes the current version of `path`."""
+    target = as_path(path)
+    version = f"v-{uuid.uuid4().hex[:12]}"
+    if is_remote(target):
+        with tempfile.TemporaryDirectory() as tmp:
+            yield Path(tmp)
+            (target / version).upload_from(tmp)
+    else:
+        local = Path(target) / version
+        local.mkdir(parents=True)
+        try:
+            yield local
+        except BaseException:
+            shutil.rmtree(local, ignore_errors=True)
+            raise
+    _write_text_atomic(target / POINTER, version)
+    for old in target.iterdir():
+        if old.name.startswith("v-") and old.name != version:
+            _remove(old)
+
+
+@contextlib.contextmanager
+def read_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a local directory holding the current version of `path`."""
+    target = as_path(path)
+    pointer = target / POINTER
+    if not pointer.exists():
+        raise CheckpointNotFound(f"no checkpoint at {path} (missing {POINTER})")
+    version = target / pointer.read_text().strip()
+    if not version.exists():
+        raise CheckpointNotFound(f"checkpoint at {path} points to missing version {version.name}")
+    if is_remote(target):
+        with tempfile.TemporaryDirectory() as tmp:
+            version.download_to(tmp)
+            yield Path(tmp)
+    else:
+        yield Path(version)
+
+
+def write_file_atomic(path: str | os.PathLike, data_path: Path) -> None:
+    """Put the local file `data_path` at `path` so that readers never see a partial file."""
+    target = as_path(path)
+    if is_remote(target):
+        target.upload_from(data_path, force_overwrite_to_cloud=True)
+        return
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+    shutil.copyfile(data_path, tmp)
+    os.replace(tmp, target)
+
+
+@contextlib.contextmanager
+def read_file(path: str | os.PathLike) -> Iterator[Path]:
+    target = as_path(path)
+    if not target.exists():
+        raise CheckpointNotFound(f"no checkpoint file at {path}")
+    if is_remote(target):
+        with tempfile.TemporaryDirectory() as tmp:
+            local = Path(tmp) / target.name
+            target.download_to(local)
+            yield local
+    else:
+        yield Path(target)
+
+
+def _write_text_atomic(path, text: str) -> None:
+    with tempfile.NamedTemporaryFile("w", delete=False, suffix=".txt") as f:
+        f.write(text)
+    try:
+        write_file_atomic(path, Path(f.name))
+    finally:
+        os.unlink(f.name)
+
+
+def _remove(path) -> None:
+    if isinstance(path, CloudPath):
+        path.rmtree() if path.is_dir() else path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def pack_tar(source_dir: Path, out_file: Path) -> None:
+    with tarfile.open(out_file, "w:gz") as tar:
+        for item in sorted(source_dir.iterdir()):
+            tar.add(item, arcname=item.name)
+
+
+def unpack_tar(tar_file: Path, dest: Path) -> None:
+    """Extract regular files and directories only; refuse absolute paths, `..`, links and devices."""
+    with tarfile.open(tar_file, "r:*") as tar:
+        members = tar.getmembers()
+        for m in members:
+            name = m.name
+            if name.startswith("/") or os.path.isabs(name) or ".." in Path(name).parts:
+                raise ValueError(f"refusing tar member with unsafe path {name!r}")
+            if not (m.isfile() or m.isdir()):
+                raise ValueError(f"refusing tar member {name!r}: links and special files are not allowed")
+        tar.extractall(dest, members=members, filter="data")

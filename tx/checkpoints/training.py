@@ -1,0 +1,127 @@
+"""One adapter's training state with orbax: LoRA weights and scales of its slot (sliced to its rank),
+Adam state (sliced likewise, plus the step count), and metadata to validate a restore.
+
+Arrays are written by orbax from the device arrays (each shard by its owner) and restored onto the
+current mesh, so a checkpoint is readable with another mesh, slot, max_lora_rank or process count.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import tx
+from tx.checkpoints import storage
+from tx.models.config import ModelConfig
+
+FORMAT = "tx-training-checkpoint-v1"
+# Fields of the base model that must match for a restore to make sense.
+BASE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts", "moe_intermediate_size")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is corrupt or does not fit this model."""
+
+
+def _flatten(tree: Any) -> dict[str, Any]:
+    return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _rank_axis(name: str) -> int | None:
+    """Axis holding the LoRA rank in a slot slice: A [.., in, R] -> -1, B [.., R, out] -> -2."""
+    if "lora_a" in name:
+        return -1
+    if "lora_b" in name:
+        return -2
+    return None
+
+
+def _slice_rank(x, axis: int | None, rank: int):
+    if axis is None:
+        return x
+    index = [slice(None)] * x.ndim
+    index[axis] = slice(0, rank)
+    return x[tuple(index)]
+
+
+def base_signature(cfg: ModelConfig) -> dict:
+    return {k: getattr(cfg, k) for k in BASE_FIELDS}
+
+
+def save(path, *, weights: Any, scales: Any, opt_state: Any, rank: int, metadata: dict) -> None:
+    """Write slot slices `weights` (LoRA A/B), `scales` and `opt_state` (Adam, shaped like weights)."""
+    arrays = {
+        "weights": {k: _slice_rank(v, _rank_axis(k), rank) for k, v in _flatten(weights).items()},
+        "scales": _flatten(scales),
+        "opt_state": {k: _slice_rank(v, _rank_axis(k), rank) for k, v in _flatten(opt_state).items()},
+    }
+    meta = {"format": FORMAT, "tx_version": tx.__version__, "rank": rank,
+            "shapes": {g: {k: list(v.shape) for k, v in d.items()} for g, d in arrays.items()}, **metadata}
+    with storage.write_dir(path) as local:
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save((local / "state").absolute(), arrays)
+        checkpointer.wait_until_finished()
+        (local / "metadata.json").write_text(json.dumps(meta, indent=2))
+
+
+def read_metadata(path) -> dict:
+    with storage.read_dir(path) as local:
+        meta_file = local / "metadata.json"
+        if not meta_file.exists():
+            raise CheckpointError(f"checkpoint at {path} has no metadata.json (corrupt or not a tx checkpoint)")
+        meta = json.loads(meta_file.read_text())
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint at {path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta
+
+
+def load(path, *, weights: Any, scales: Any, opt_state: Any, mesh: Mesh, load_optimizer: bool) -> tuple[dict, Any, Any, Any]:
+    """Restore into trees shaped like the current slot slices (`weights`, `scales`, `opt_state`): zero-pad
+    ranks back to max_lora_rank. Returns (metadata, weights, scales, opt_state or None). Validates every
+    shape before returning, so a bad checkpoint changes nothing."""
+    meta = read_metadata(path)
+    rank = meta["rank"]
+    replicated = NamedSharding(mesh, P())
+    templates = {"weights": _flatten(weights), "scales": _flatten(scales), "opt_state": _flatten(opt_state)}
+    groups = ("weights", "scales", "opt_state") if load_optimizer else ("weights", "scales")
+    target = {}
+    for group in groups:
+        saved = meta["shapes"].get(group, {})
+        if set(saved) != set(templates[group]):
+            missing = sorted(set(templates[group]) ^ set(saved))[:3]
+            raise CheckpointError(f"checkpoint at {path} does not match this model's {group} (differs at {missing})")
+        target[group] = {}
+        for k, t in templates[group].items():
+            want = list(_slice_rank(np.empty(t.shape, np.bool_), _rank_axis(k), rank).shape)
+            if saved[k] != want:
+                raise CheckpointError(f"checkpoint tensor {group}{k} has shape {saved[k]}, this model needs {want}")
+            target[group][k] = jax.ShapeDtypeStruct(tuple(want), t.dtype, sharding=replicated)
+    with storage.read_dir(path) as local:
+        try:
+            restored = ocp.StandardCheckpointer().restore((local / "state").absolute(), target)
+        except Exception as e:  # noqa: BLE001 - orbax raises many types for damaged files
+            raise CheckpointError(f"checkpoint at {path} could not be read: {e}") from e
+
+    def rebuild(tree, group):
+        if group not in restored:
+            return None
+        leaves = []
+        for k, t in templates[group].items():
+            x = restored[group][k]
+            axis = _rank_axis(k)
+            if axis is not None:
+                pad = [(0, 0)] * x.ndim
+                pad[axis] = (0, t.shape[axis] - x.shape[axis])
+                x = jnp.pad(x, pad)
+            leaves.append(x.astype(t.dtype))
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree), leaves)
+
+    return meta, rebuild(weights, "weights"), rebuild(scales, "scales"), rebuild(opt_state, "opt_state")
