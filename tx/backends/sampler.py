@@ -81,7 +81,7 @@ class Sampler:
 
     def _chunk_rows(self, rows: list[SampleRow]) -> list[list[int]]:
         order = sorted(range(len(rows)), key=lambda i: len(rows[i].prompt))
-        cap = self.backend.config.sample_max_num_sequences or len(order)
+        cap = self.backend.config.sample_max_num_sequences or max(1, len(order))
         return [order[i : i + cap] for i in range(0, len(order), cap)]
 
     def _decode_chunk(self, rows: list[SampleRow]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

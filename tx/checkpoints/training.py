@@ -91,9 +91,8 @@ def load(path, *, weights: Any, scales: Any, opt_state: Any, mesh: Mesh, load_op
     rank = meta["rank"]
     replicated = NamedSharding(mesh, P())
     templates = {"weights": _flatten(weights), "scales": _flatten(scales), "opt_state": _flatten(opt_state)}
-    groups = ("weights", "scales", "opt_state") if load_optimizer else ("weights", "scales")
     target = {}
-    for group in groups:
+    for group in templates:  # Adam state is read even when it is not used: it is small, and it validates
         saved = meta["shapes"].get(group, {})
         if set(saved) != set(templates[group]):
             missing = sorted(set(templates[group]) ^ set(saved))[:3]
@@ -108,7 +107,9 @@ def load(path, *, weights: Any, scales: Any, opt_state: Any, mesh: Mesh, load_op
         try:
             restored = ocp.StandardCheckpointer().restore((local / "state").absolute(), target)
         except Exception as e:  # noqa: BLE001 - orbax raises many types for damaged files
-            raise CheckpointError(f"checkpoint at {path} could not be read: {e}") from e
+            raise CheckpointError(f"checkpoint at {path} could not be read: {str(e)[:300]}") from e
+    if not load_optimizer:
+        del restored["opt_state"]
 
     def rebuild(tree, group):
         if group not in restored:
