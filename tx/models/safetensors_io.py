@@ -43,9 +43,9 @@ def _read_header(path: Path) -> tuple[dict, int]:
 class SafetensorsDir:
     """All tensors of the `*.safetensors` files in one directory, by name, memory-mapped on demand."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, files: list[Path] | None = None):
         self.path = Path(path)
-        files = sorted(self.path.glob("*.safetensors"))
+        files = files if files is not None else sorted(self.path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {self.path}")
         self._where: dict[str, tuple[Path, dict, int]] = {}
@@ -54,6 +54,11 @@ class SafetensorsDir:
             for name, info in header.items():
                 self._where[name] = (file, info, data_start)
         self._maps: dict[Path, np.memmap] = {}
+
+    @classmethod
+    def single(cls, file: str | Path) -> SafetensorsDir:
+        """The tensors of one safetensors file."""
+        return cls(Path(file).parent, [Path(file)])
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
