@@ -58,6 +58,7 @@ class CheckpointMixin:
             scales=_take_scales(scales, slot),
             opt_state=self._opt_states[model_id],
             rank=meta.lora_config.rank,
+            version=self.unique_name(),
             metadata={
                 "base_model": self.base_model,
                 "base": training.base_signature(self.model.config),
@@ -116,9 +117,13 @@ class CheckpointMixin:
         info = {"format": SAMPLER_FORMAT, "model_id": model_id, "persisted": persist, "base_model": self.base_model,
                 "base": training.base_signature(self.model.config), "rank": meta.lora_config.rank,
                 "saved_at": time.time()}
+        primary = jax.process_index() == 0  # every process computes, process 0 writes
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
-            if persist:
+            if not primary:
+                if persist:
+                    peft_format.get_adapter_weights(self.model, slot, meta.lora_config.rank)  # same collectives
+            elif persist:
                 adapter = tmp / "adapter"
                 peft_format.export_adapter(self.model, slot, meta.lora_config.rank, meta.lora_config.alpha,
                                            self.base_model, adapter)

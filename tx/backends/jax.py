@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 import logging
+import uuid
 import zlib
 from typing import Any, Callable
 
@@ -30,14 +31,18 @@ from tx.backends.steps import init_opt_state, make_model_pass, make_optim_step, 
 from tx.models.adapters import clear_adapter, init_adapter
 from tx.models.config import LoraSlots
 from tx.models.loading import load_model, resolve_model_dir
-from tx.models.sharding import batch_spec, make_mesh
+from tx.models.sharding import batch_spec, make_mesh, put_global, to_host
 
 logger = logging.getLogger(__name__)
 
 
 class JaxBackend(CheckpointMixin, AbstractBackend):
-    def __init__(self, base_model: str, config: JaxBackendConfig | None = None):
+    def __init__(self, base_model: str, config: JaxBackendConfig | None = None, run_id: str | None = None):
         self.base_model = base_model
+        # Names this backend creates (checkpoint versions) are run_id + a counter: equal on every host
+        # when the coordinator hands all hosts the same run_id.
+        self.run_id = run_id or uuid.uuid4().hex[:8]
+        self._names = 0
         self.config = config = config or JaxBackendConfig()
         fsdp = config.fully_sharded_data_parallel_size
         n = fsdp * config.expert_parallel_size * config.tensor_parallel_size
@@ -94,6 +99,15 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
             raise KeyError(f"unknown model_id {model_id!r}")
         return self.models[model_id].adapter_index
 
+    def debug_fail(self, message: str, process_ids: list[int], phase: str = "execute") -> None:
+        """Fault injection for multi-host tests: raise `message` on the listed processes."""
+        if phase == "execute" and jax.process_index() in process_ids:
+            raise RuntimeError(message)
+
+    def unique_name(self) -> str:
+        self._names += 1
+        return f"{self.run_id}-{self._names:06d}"
+
     def has_model(self, model_id: str) -> bool:
         return model_id in self.models
 
@@ -136,7 +150,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         """The adapter's accumulated gradient sums, `{"dotted.path": array}` of its slot (for inspection)."""
         slot = self._slot(model_id)
         flat = nnx.to_flat_state(self._grad_sum)
-        return {".".join(map(str, path)): np.asarray(jnp.take(v.get_value(), slot, axis=-3)) for path, v in flat}
+        return {".".join(map(str, path)): to_host(jnp.take(v.get_value(), slot, axis=-3)) for path, v in flat}
 
     def opt_state_of(self, model_id: str) -> Any:
         self._slot(model_id)
@@ -176,10 +190,10 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
             seq_len = batching.bucket_length(max(len(r.input_ids) for r in chunk))
             arrays = batching.pack(chunk, num_rows, seq_len, len(losses.config_keys()))
             device_batch = {
-                k: jax.device_put(v, NamedSharding(self.mesh, batch_spec(v.ndim))) for k, v in arrays.items()
+                k: put_global(v, NamedSharding(self.mesh, batch_spec(v.ndim))) for k, v in arrays.items()
             }
             self._grad_sum, tlp_bt, loss_bt = self._run(name, fn, lora, frozen, self._grad_sum, device_batch)
-            tlp_bt, loss_bt = np.asarray(tlp_bt), np.asarray(loss_bt)
+            tlp_bt, loss_bt = to_host(tlp_bt), to_host(loss_bt)
             for b, i in enumerate(idx):
                 n = len(rows[i].input_ids)
                 logprobs[i], elementwise[i] = tlp_bt[b, :n], loss_bt[b, :n]
@@ -219,7 +233,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         )
         nnx.update(self.model, lora)
         acc = self._accumulated[model_id]
-        out = {k: float(v) for k, v in metrics.items()}
+        out = {k: float(to_host(v)) for k, v in metrics.items()}
         out |= {"learning_rate": request_data.adam_params.learning_rate,
                 "accumulated_sequences": float(acc["sequences"]), "accumulated_tokens": float(acc["tokens"])}
         self._accumulated[model_id] = {"sequences": 0, "tokens": 0}

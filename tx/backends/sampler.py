@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from tx import types
 from tx.backends.batching import bucket_length, bucket_rows
 from tx.models.logprobs import chunked_logprob_stats
-from tx.models.sharding import batch_spec
+from tx.models.sharding import batch_spec, put_global, to_host
 from tx.sampling.decode import DecodeInputs, generate
 from tx.sampling.requests import SampleLimits, SampleRow, truncate_at_stop_string, validate
 
@@ -61,7 +61,7 @@ class Sampler:
 
     def _put(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         mesh = self.backend.mesh
-        return {k: jax.device_put(v, NamedSharding(mesh, batch_spec(v.ndim))) for k, v in arrays.items()}
+        return {k: put_global(v, NamedSharding(mesh, batch_spec(v.ndim))) for k, v in arrays.items()}
 
     def _jit(self, key: tuple, fn: Callable, static: tuple[str, ...]) -> Callable:
         backend = self.backend
@@ -116,7 +116,7 @@ class Sampler:
             arrays["stop_bs"][i, : len(row.stop_tokens)] = row.stop_tokens
         fn = self._jit(("sample", b, p, max_new, s), generate, ("max_new",))
         out = self.backend._run("sample", fn, self.backend.model, DecodeInputs(**self._put(arrays)), max_new=max_new)
-        return tuple(np.asarray(x) for x in out)  # type: ignore[return-value]
+        return tuple(to_host(x) for x in out)  # type: ignore[return-value]
 
     # ---- prompt log-probs ----
 
@@ -140,9 +140,9 @@ class Sampler:
         arrays = self._put({"ids": ids, "mask": mask, "adapters": adapters})
         target, top_ids, top_lp = self.backend._run(
             "score_prompts", fn, self.backend.model, arrays["ids"], arrays["mask"], arrays["adapters"], k=k)
-        target = np.asarray(target)
-        top_ids = None if top_ids is None else np.asarray(top_ids)[..., :top_k]
-        top_lp = None if top_lp is None else np.asarray(top_lp)[..., :top_k]
+        target = to_host(target)
+        top_ids = None if top_ids is None else to_host(top_ids)[..., :top_k]
+        top_lp = None if top_lp is None else to_host(top_lp)[..., :top_k]
         out = []
         for i, (prompt, _) in enumerate(prompts):
             n = len(prompt) - 1

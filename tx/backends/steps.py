@@ -16,9 +16,12 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tx.models.sharding import put_global
 
 from tx import losses
 from tx.models.layers.lora import LoraA, LoraB
@@ -90,7 +93,7 @@ def init_opt_state(lora: nnx.State, slot: int, mesh: Mesh) -> optax.OptState:
 
     def place(x):
         on_mesh = isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh
-        return x if on_mesh else jax.device_put(x, NamedSharding(mesh, P()))
+        return x if on_mesh else put_global(np.asarray(x), NamedSharding(mesh, P()))
 
     return jax.tree.map(place, state)
 

@@ -29,6 +29,12 @@ class CheckpointNotFound(FileNotFoundError):
     pass
 
 
+def jax_process_count() -> int:
+    import jax
+
+    return jax.process_count()
+
+
 def as_path(path: str | os.PathLike) -> Path | CloudPath:
     return AnyPath(str(path))
 
@@ -38,22 +44,30 @@ def is_remote(path) -> bool:
 
 
 @contextlib.contextmanager
-def write_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a local directory to fill; on success it becomes the current version of `path`."""
+def write_dir(path: str | os.PathLike, version: str | None = None, primary: bool = True) -> Iterator[Path]:
+    """Yield a local directory to fill; on success it becomes the current version of `path`.
+
+    Multi-host: every process passes the same `version` and writes its part into the same (shared)
+    directory; only the `primary` process moves the pointer and removes old versions."""
     target = as_path(path)
-    version = f"v-{uuid.uuid4().hex[:12]}"
+    version = f"v-{version or uuid.uuid4().hex[:12]}"
     if is_remote(target):
+        if not primary or jax_process_count() > 1:
+            raise ValueError(f"multi-host training checkpoints need a shared filesystem path, not {path}")
         with tempfile.TemporaryDirectory() as tmp:
             yield Path(tmp)
             (target / version).upload_from(tmp)
     else:
         local = Path(target) / version
-        local.mkdir(parents=True)
+        local.mkdir(parents=True, exist_ok=True)
         try:
             yield local
         except BaseException:
-            shutil.rmtree(local, ignore_errors=True)
+            if primary:
+                shutil.rmtree(local, ignore_errors=True)
             raise
+    if not primary:
+        return
     _write_text_atomic(target / POINTER, version)
     for old in target.iterdir():
         if old.name.startswith("v-") and old.name != version:

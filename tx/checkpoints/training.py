@@ -56,7 +56,7 @@ def base_signature(cfg: ModelConfig) -> dict:
     return {k: getattr(cfg, k) for k in BASE_FIELDS}
 
 
-def save(path, *, weights: Any, scales: Any, opt_state: Any, rank: int, metadata: dict) -> None:
+def save(path, *, weights: Any, scales: Any, opt_state: Any, rank: int, metadata: dict, version: str | None = None) -> None:
     """Write slot slices `weights` (LoRA A/B), `scales` and `opt_state` (Adam, shaped like weights)."""
     arrays = {
         "weights": {k: _slice_rank(v, _rank_axis(k), rank) for k, v in _flatten(weights).items()},
@@ -65,11 +65,13 @@ def save(path, *, weights: Any, scales: Any, opt_state: Any, rank: int, metadata
     }
     meta = {"format": FORMAT, "tx_version": tx.__version__, "rank": rank,
             "shapes": {g: {k: list(v.shape) for k, v in d.items()} for g, d in arrays.items()}, **metadata}
-    with storage.write_dir(path) as local:
+    primary = jax.process_index() == 0
+    with storage.write_dir(path, version=version, primary=primary) as local:
         checkpointer = ocp.StandardCheckpointer()
         checkpointer.save((local / "state").absolute(), arrays)
         checkpointer.wait_until_finished()
-        (local / "metadata.json").write_text(json.dumps(meta, indent=2))
+        if primary:
+            (local / "metadata.json").write_text(json.dumps(meta, indent=2))
 
 
 def read_metadata(path) -> dict:

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from tx.models.layers.lora import LoraA, LoraB, LoraScale
+from tx.models.sharding import to_host
 
 
 def module_group(path: tuple[str, ...]) -> str:
@@ -57,8 +58,10 @@ def _slot_shape(var: nnx.Variable) -> list[int]:
 
 
 def _set_slot(var: nnx.Variable, slot: int, value_at_slot: jax.Array | np.ndarray) -> None:
-    """Write `value_at_slot` (shaped `_slot_shape(var)`) into adapter `slot`."""
+    """Write `value_at_slot` (shaped `_slot_shape(var)`) into adapter `slot`. Host values go in as numpy, so
+    the update is the same SPMD program on every process of a multi-host run."""
     full = var.get_value()
+    value_at_slot = np.asarray(value_at_slot)
     index = [slice(None)] * full.ndim
     index[_adapter_axis(var)] = slot
     var.set_value(full.at[tuple(index)].set(value_at_slot.astype(full.dtype)))
@@ -68,7 +71,7 @@ def clear_adapter(model: Any, slot: int) -> None:
     """Zero every LoRA weight and scale of `slot`: the slot then computes exactly the base model."""
     for _, module, _ in lora_modules(model):
         for var in (module.lora_a, module.lora_b, module.lora_scale):
-            _set_slot(var, slot, jnp.zeros(_slot_shape(var)))
+            _set_slot(var, slot, np.zeros(_slot_shape(var), np.float32))
 
 
 def init_adapter(
@@ -94,13 +97,13 @@ def init_adapter(
     for n, (path, module, _) in enumerate(lora_modules(model)):
         shape = _slot_shape(module.lora_a)  # [L?, E?, in, R]
         fan_in = shape[-2]
-        a = jnp.zeros(shape, jnp.float32)
-        b = jnp.zeros(_slot_shape(module.lora_b), jnp.float32)
-        scale = jnp.zeros(_slot_shape(module.lora_scale), jnp.float32)
+        a = np.zeros(shape, np.float32)
+        b = np.zeros(_slot_shape(module.lora_b), np.float32)
+        scale = np.zeros(_slot_shape(module.lora_scale), np.float32)
         if trained[module_group(path)]:
             bound = 1.0 / np.sqrt(fan_in)
             drawn = jax.random.uniform(jax.random.fold_in(key, n), (*shape[:-1], rank), jnp.float32, -bound, bound)
-            a = a.at[..., :rank].set(drawn)
+            a[..., :rank] = np.asarray(drawn)  # drawn on this host, identically on every host
             scale = scale + alpha / rank
         _set_slot(module.lora_a, slot, a)
         _set_slot(module.lora_b, slot, b)
@@ -138,9 +141,9 @@ def set_adapter_weights(
             dst_b[..., :rank, :] = b_t
             present = True
         scale = np.full(_slot_shape(module.lora_scale), alpha / rank if present else 0.0)
-        _set_slot(module.lora_a, slot, jnp.asarray(a))
-        _set_slot(module.lora_b, slot, jnp.asarray(b))
-        _set_slot(module.lora_scale, slot, jnp.asarray(scale))
+        _set_slot(module.lora_a, slot, a)
+        _set_slot(module.lora_b, slot, b)
+        _set_slot(module.lora_scale, slot, scale)
     if remaining:
         raise ValueError(f"adapter weights name modules this model does not have: {sorted(remaining)[:5]}")
 
@@ -149,9 +152,9 @@ def get_adapter_weights(model: Any, slot: int, rank: int) -> dict[str, tuple[np.
     """`{hf_module: (A [.., r, in], B [.., out, r])}` of `slot`, sliced to `rank`, for modules it trains."""
     out = {}
     for path, module, layer_ids in lora_modules(model):
-        a = np.asarray(jnp.take(module.lora_a.get_value(), slot, axis=-3))[..., :rank]
-        b = np.asarray(jnp.take(module.lora_b.get_value(), slot, axis=-3))[..., :rank, :]
-        scale = np.asarray(jnp.take(module.lora_scale.get_value(), slot, axis=-1))
+        a = to_host(jnp.take(module.lora_a.get_value(), slot, axis=-3))[..., :rank]
+        b = to_host(jnp.take(module.lora_b.get_value(), slot, axis=-3))[..., :rank, :]
+        scale = to_host(jnp.take(module.lora_scale.get_value(), slot, axis=-1))
         if not np.any(scale):
             continue
         for li, name in enumerate(hf_module_names(path, layer_ids)):

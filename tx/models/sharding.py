@@ -104,3 +104,21 @@ def param_spec(
 
 def param_sharding(path, shape, mesh: Mesh, cfg: ModelConfig, shard_attention_heads: bool = True) -> NamedSharding:
     return NamedSharding(mesh, param_spec(path, shape, mesh, cfg, shard_attention_heads))
+
+
+def put_global(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from a host array every process holds in full (each process fills its own shards);
+    works the same in one process and across hosts."""
+    array = np.asarray(array)
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """The full value of a global array on this host (gathering across processes when needed)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

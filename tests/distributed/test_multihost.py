@@ -1,0 +1,135 @@
+"""Two real processes on 127.0.0.1 (4 CPU devices each, gloo) against one process with 8 devices:
+same results for every backend method; errors on workers; dead and stopped workers; CLI behaviour."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+DRIVER = Path(__file__).with_name("driver.py")
+ROOT = Path(__file__).parents[2]
+
+
+def _ports() -> int:
+    """A port p with p and p + 1 free (jax coordinator, control channel)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
+
+
+def _env(devices: int) -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def run_pair(scenario: str, model_dir: str, tmp_path: Path, timeout: float = 240):
+    port = _ports()
+    out = tmp_path / f"{scenario}-multi.json"
+    coordinator = f"127.0.0.1:{port}"
+    p0 = subprocess.Popen([sys.executable, str(DRIVER), scenario, model_dir, str(out), coordinator, "2"],
+                          env=_env(4), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p1 = subprocess.Popen([sys.executable, "-m", "tx.run", "--coordinator-address", coordinator, "--num-processes", "2",
+                           "--process-id", "1", "--base-model", model_dir, "--heartbeat-timeout", "3"],
+                          env=_env(4), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        log0, _ = p0.communicate(timeout=timeout)
+    finally:
+        if p1.poll() is None:
+            try:
+                p1.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p1.kill()
+        log1 = p1.stdout.read()
+    assert p0.returncode == 0, log0[-4000:] + "\n--- worker ---\n" + log1[-4000:]
+    return json.loads(out.read_text()), p1.returncode, log1
+
+
+def run_single(scenario: str, model_dir: str, tmp_path: Path):
+    out = tmp_path / f"{scenario}-single.json"
+    proc = subprocess.run([sys.executable, str(DRIVER), scenario, model_dir, str(out)], env=_env(8), cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _close(a, b, path=""):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _close(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list) and a and isinstance(a[0], (list, dict)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _close(x, y, f"{path}[{i}]")
+    elif isinstance(a, list) and a and isinstance(a[0], int):
+        assert a == b, path  # token ids: exactly equal
+    else:
+        np.testing.assert_allclose(np.asarray(a, float), np.asarray(b, float), atol=2e-5, rtol=1e-5, err_msg=path)
+
+
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_two_processes_equal_one_process(tiny_dirs, tmp_path, name):
+    multi, worker_rc, _ = run_pair("parity", tiny_dirs[name], tmp_path)
+    single = run_single("parity", tiny_dirs[name], tmp_path)
+    _close(multi, single)
+    assert worker_rc == 0  # clean shutdown from process 0
+
+
+def test_worker_errors_are_reported_and_the_next_call_works(tiny_dirs, tmp_path):
+    result, worker_rc, _ = run_pair("faults", tiny_dirs["dense"], tmp_path)
+    errors = result["errors"]
+    assert "process 1: RuntimeError: injected in execute" in errors[0]
+    assert "process 1: RuntimeError: injected in prepare" in errors[1]
+    assert "local: model_id 'a' already exists" in errors[2]
+    assert result["after_execute"] == result["after_prepare"] == result["final"]
+    assert worker_rc == 0
+
+
+def test_stopped_worker_is_reported_within_the_bound(tiny_dirs, tmp_path):
+    result, _, _ = run_pair("stop", tiny_dirs["dense"], tmp_path)
+    failure = result["failure"]
+    assert "worker process 1 is unresponsive" in failure["error"]
+    assert failure["seconds"] < 3.0 + 5.0  # heartbeat_timeout=3s, plus scheduling slack
+    assert "worker process 1" in result["later"]["error"] and result["later"]["seconds"] < 1.0
+
+
+def test_killed_worker_is_reported_without_hanging(tiny_dirs, tmp_path):
+    result, worker_rc, _ = run_pair("kill", tiny_dirs["dense"], tmp_path)
+    assert "worker process 1 died" in result["failure"]["error"]
+    assert result["failure"]["seconds"] < 60
+    assert worker_rc != 0
+
+
+def test_cli_help_and_validation():
+    env = _env(1)
+    help_text = subprocess.run([sys.executable, "-m", "tx.run", "--help"], env=env, cwd=ROOT, capture_output=True,
+                               text=True, check=True).stdout
+    for flag in ("--coordinator-address", "--process-id", "--heartbeat-timeout", "--tensor-parallel-size",
+                 "--backend-config", "--auto-distributed"):
+        assert flag in help_text
+    for args, message in [
+        (["--coordinator-address", "h:1", "--num-processes", "2", "--process-id", "2"], "outside [0, --num-processes=2)"),
+        (["--num-processes", "2"], "go together"),
+        (["--coordinator-address", "nohost", "--num-processes", "1", "--process-id", "0"], "must be host:port"),
+        (["--backend-config", "{bad"], "not valid JSON"),
+        (["--max-lora-rank", "0"], "max_lora_rank"),
+        (["--backend-config", '{"unknown_field": 1}'], "unknown_field"),
+    ]:
+        proc = subprocess.run([sys.executable, "-m", "tx.run", *args], env=env, cwd=ROOT, capture_output=True, text=True)
+        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr[-500:])

@@ -1,0 +1,189 @@
+"""`python -m tx.run`: the one entry point for every host.
+
+    python -m tx.run                                          # one process, the built-in tiny model
+    python -m tx.run --coordinator-address 10.0.0.2:8476 --num-processes 4 --process-id 0 \\
+        --base-model Qwen/Qwen3-8B --tensor-parallel-size 4 --fully-sharded-data-parallel-size 8
+
+Process 0 is the coordinator: it owns the backend front (now the `smoke` job; the Tinker API service is
+the next step) and broadcasts every backend call over a control channel (TCP, `--control-port`, default
+coordinator port + 1) to the other processes, which run the worker loop. On Cloud TPU pass
+`--auto-distributed` and let `jax.distributed.initialize()` discover the hosts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+
+from pydantic import ValidationError
+
+from tx.backends.config import JaxBackendConfig
+
+logger = logging.getLogger("tx.run")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tx.run", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    g = p.add_argument_group("processes")
+    g.add_argument("--coordinator-address", help="host:port of process 0 for jax.distributed (absent: one process)")
+    g.add_argument("--num-processes", type=int, help="number of processes (hosts) in the run")
+    g.add_argument("--process-id", type=int, help="this process's index in [0, num-processes)")
+    g.add_argument("--auto-distributed", action="store_true",
+                   help="call jax.distributed.initialize() without arguments (Cloud TPU, SLURM discover the hosts)")
+    g.add_argument("--control-port", type=int, help="TCP port of the control channel on process 0 (default: coordinator port + 1)")
+    g.add_argument("--heartbeat-timeout", type=float, default=15.0,
+                   help="seconds without a worker heartbeat before process 0 reports it dead (default 15)")
+    g.add_argument("--connect-timeout", type=float, default=300.0, help="seconds to wait for all hosts to connect")
+    m = p.add_argument_group("model and backend")
+    m.add_argument("--base-model", default="tiny", help="HF directory or hub id; 'tiny' = the built-in tiny model")
+    m.add_argument("--backend-config", default="{}", help="JaxBackendConfig as JSON (flags below override it)")
+    for name, field in JaxBackendConfig.model_fields.items():
+        if name in ("coordinator_address", "num_processes"):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if field.annotation is bool:
+            m.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=field.description)
+        else:
+            m.add_argument(flag, default=None, help=f"{field.description} (default {field.default})")
+    j = p.add_argument_group("job (process 0)")
+    j.add_argument("--job", choices=["smoke"], default="smoke",
+                   help="smoke: create an adapter, train it on a few synthetic batches, sample, save and reload it")
+    j.add_argument("--steps", type=int, default=10, help="training steps of the smoke job")
+    return p
+
+
+def backend_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> JaxBackendConfig:
+    try:
+        values = json.loads(args.backend_config)
+    except json.JSONDecodeError as e:
+        parser.error(f"--backend-config is not valid JSON: {e}")
+    for name in JaxBackendConfig.model_fields:
+        value = getattr(args, name, None)
+        if value is not None:
+            values[name] = value
+    values |= {"coordinator_address": args.coordinator_address, "num_processes": args.num_processes}
+    try:
+        return JaxBackendConfig.model_validate(values)
+    except ValidationError as e:
+        parser.error(f"invalid backend config: {e}")
+
+
+def validate_processes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    explicit = [args.coordinator_address, args.num_processes, args.process_id]
+    if any(x is not None for x in explicit) and not all(x is not None for x in explicit):
+        parser.error("--coordinator-address, --num-processes and --process-id go together")
+    if args.num_processes is not None:
+        if args.num_processes < 1:
+            parser.error(f"--num-processes {args.num_processes} must be >= 1")
+        if not 0 <= args.process_id < args.num_processes:
+            parser.error(f"--process-id {args.process_id} is outside [0, --num-processes={args.num_processes})")
+    if args.coordinator_address is not None:
+        host, _, port = args.coordinator_address.rpartition(":")
+        if not host or not port.isdigit():
+            parser.error(f"--coordinator-address {args.coordinator_address!r} must be host:port")
+
+
+def initialize_distributed(args: argparse.Namespace) -> None:
+    import jax
+
+    # CPU hosts exchange collectives through gloo; TPU/GPU use their own interconnects.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if args.auto_distributed:
+        jax.distributed.initialize()
+    elif args.coordinator_address is not None and args.num_processes > 1:
+        jax.distributed.initialize(coordinator_address=args.coordinator_address,
+                                   num_processes=args.num_processes, process_id=args.process_id)
+    # Bring up the backend now: its topology exchange needs every process, before anyone blocks elsewhere.
+    jax.devices()
+
+
+def control_endpoint(args: argparse.Namespace) -> tuple[str, int]:
+    address = args.coordinator_address
+    if address is None:
+        from jax._src import distributed
+
+        address = distributed.global_state.coordinator_address
+    host, _, port = address.rpartition(":")
+    return host, args.control_port or int(port) + 1
+
+
+def smoke_job(backend, steps: int) -> None:
+    """Train one adapter on synthetic next-token data, sample from it, save and reload: JSON lines."""
+    import numpy as np
+    from tqdm import trange
+
+    from tx import types
+
+    backend.create_model("smoke", types.LoraConfig(rank=8, seed=0))
+    vocab = backend.impl.model.config.vocab_size
+    rng = np.random.default_rng(0)
+    seqs = rng.integers(0, vocab, (8, 33)).tolist()
+    batch = types.PreparedModelPassBatch(
+        all_input_ids=[s[:-1] for s in seqs], all_targets=[s[1:] for s in seqs],
+        all_token_weights=[[1.0] * 32] * 8, all_sampling_logprobs=[[]] * 8, all_advantages=[[]] * 8,
+        all_model_ids=["smoke"] * 8, all_loss_fns=["cross_entropy"] * 8, all_loss_fn_configs=[None] * 8,
+        request_batch_slices=[("train", "smoke", 0, 8)])
+    for step in trange(steps, desc="smoke training", disable=None):
+        start = time.perf_counter()
+        out = backend.forward_backward(batch)["train"]
+        metrics = backend.optim_step("smoke", types.OptimStepInput(adam_params=types.AdamParams(learning_rate=1e-2))).metrics
+        elapsed = time.perf_counter() - start
+        print(json.dumps({"step": step, "loss_per_token": out.metrics["loss:sum"] / 256, "grad_norm": metrics["grad_norm"],
+                          "tokens_per_s": round(256 / elapsed, 1), "step_time_s": round(elapsed, 4)}), flush=True)
+    sample = types.PreparedSampleBatch(
+        all_prompts=[seqs[0][:8]], all_sampling_params=[types.SamplingParams(max_tokens=8, temperature=0.0, stop=[])],
+        all_model_ids=["smoke"], all_checkpoint_ids=[""], all_checkpoint_paths=[""],
+        request_batch_slices=[("sample", "smoke", 0, 1, True, 0)])
+    seq = backend.sample(sample)["sample"].sequences[0]
+    print(json.dumps({"sampled": seq.tokens, "memorised": seq.tokens == seqs[0][8:16]}), flush=True)
+    print(json.dumps({"summary": True, "compiles": backend.metrics.compiles, "calls": backend.metrics.calls}), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    validate_processes(args, parser)
+    config = backend_config(args, parser)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s")
+    initialize_distributed(args)
+
+    import jax
+
+    from tx.distributed.backend import DistributedBackend
+    from tx.distributed.control import Coordinator
+    from tx.distributed.worker import run_worker
+
+    base_model = args.base_model
+    if base_model == "tiny":
+        from tx.score import tiny_model_dir
+
+        base_model = str(tiny_model_dir())
+    multi = jax.process_count() > 1
+    if jax.process_index() != 0:
+        host, port = control_endpoint(args)
+        return run_worker(host, port, connect_timeout=args.connect_timeout)
+    coordinator = None
+    if multi:
+        coordinator = Coordinator(control_endpoint(args)[1], jax.process_count() - 1,
+                                  heartbeat_timeout=args.heartbeat_timeout, connect_timeout=args.connect_timeout)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop the workers
+    backend = None
+    try:
+        backend = DistributedBackend(base_model, config, coordinator)
+        smoke_job(backend, args.steps)
+    finally:
+        if backend is not None:
+            backend.shutdown()
+        elif coordinator is not None:
+            coordinator.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
