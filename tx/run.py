@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from tx.distributed.backend import DistributedBackend
-    from tx.distributed.control import Coordinator
+    from tx.distributed.control import Coordinator, WorkerFailure
     from tx.distributed.worker import run_worker
 
     base_model = args.base_model
@@ -177,6 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         backend = DistributedBackend(base_model, config, coordinator)
         smoke_job(backend, args.steps)
+    except WorkerFailure as e:
+        # A host is gone: collectives cannot complete, so fail fast instead of waiting on them.
+        logger.error("stopping: %s", e)
+        if coordinator is not None:
+            coordinator.shutdown()
+        logging.shutdown()
+        os._exit(3)
     finally:
         if backend is not None:
             backend.shutdown()
