@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from common import add_model_args, random_model
 
 RANK = 8
 
@@ -97,12 +97,7 @@ def timed(fn) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden-size", type=int, default=512)
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--num-heads", type=int, default=8)
-    parser.add_argument("--num-kv-heads", type=int, default=4)
-    parser.add_argument("--intermediate-size", type=int, default=1536)
-    parser.add_argument("--vocab-size", type=int, default=32000)
+    add_model_args(parser, hidden=512, layers=4, heads=8, kv_heads=4, intermediate=1536)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[32, 128])
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -112,16 +107,7 @@ def main() -> None:
 
     import jax
 
-    from tx.models.safetensors_io import SafetensorsDir
-    from tx.models.tiny import TinySpec, write_tiny_model
-
-    spec = TinySpec(hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
-                    num_kv_heads=args.num_kv_heads, head_dim=args.hidden_size // args.num_heads,
-                    intermediate_size=args.intermediate_size, vocab_size=args.vocab_size, init_std=0.02)
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_tiny_model(Path(tmp) / "model", spec)
-        files = SafetensorsDir(model_dir)
-        params = sum(int(np.prod(files.shape(k))) for k in files.keys())
+    with random_model(args) as (model_dir, params):
         for adapters in (1, args.adapters):
             runners = [TxRunner(model_dir, adapters, args)] + ([] if args.skip_peer else [HFRunner(model_dir, adapters, args)])
             for batch in args.batch_sizes:

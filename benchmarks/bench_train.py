@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
+from common import add_model_args, random_model
 
 RANK = 16
 
@@ -126,12 +126,7 @@ def bench_peft(model_dir: Path, args, adapters: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden-size", type=int, default=768)
-    parser.add_argument("--num-layers", type=int, default=8)
-    parser.add_argument("--num-heads", type=int, default=12)
-    parser.add_argument("--num-kv-heads", type=int, default=4)
-    parser.add_argument("--intermediate-size", type=int, default=2048)
-    parser.add_argument("--vocab-size", type=int, default=32000)
+    add_model_args(parser, hidden=768, layers=8, heads=12, kv_heads=4, intermediate=2048)
     parser.add_argument("--batch", type=int, default=8, help="rows per step")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--adapters", type=int, default=8, help="adapters in the multi-adapter workload")
@@ -140,17 +135,7 @@ def main() -> None:
     parser.add_argument("--skip-peft", action="store_true")
     args = parser.parse_args()
 
-    from tx.models.tiny import TinySpec, write_tiny_model
-
-    spec = TinySpec(hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
-                    num_kv_heads=args.num_kv_heads, head_dim=args.hidden_size // args.num_heads,
-                    intermediate_size=args.intermediate_size, vocab_size=args.vocab_size, init_std=0.02)
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_tiny_model(Path(tmp) / "model", spec)
-        from tx.models.safetensors_io import SafetensorsDir
-
-        files = SafetensorsDir(model_dir)
-        params = sum(int(np.prod(files.shape(k))) for k in files.keys())
+    with random_model(args) as (model_dir, params):
         shapes = {"params": params, "batch": args.batch, "seq_len": args.seq_len, "hidden": args.hidden_size,
                   "layers": args.num_layers, "vocab": args.vocab_size, "rank": RANK}
         for adapters in (1, args.adapters):

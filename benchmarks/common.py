@@ -1,0 +1,37 @@
+"""Shared by the benchmarks: model-shape flags and a random checkpoint of that shape."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+
+def add_model_args(parser: argparse.ArgumentParser, *, hidden: int, layers: int, heads: int, kv_heads: int,
+                   intermediate: int, vocab: int = 32000) -> None:
+    g = parser.add_argument_group("model shape (a random Qwen3 checkpoint is written for the run)")
+    g.add_argument("--hidden-size", type=int, default=hidden)
+    g.add_argument("--num-layers", type=int, default=layers)
+    g.add_argument("--num-heads", type=int, default=heads)
+    g.add_argument("--num-kv-heads", type=int, default=kv_heads)
+    g.add_argument("--intermediate-size", type=int, default=intermediate)
+    g.add_argument("--vocab-size", type=int, default=vocab)
+
+
+@contextlib.contextmanager
+def random_model(args: argparse.Namespace) -> Iterator[tuple[Path, int]]:
+    """(checkpoint directory, parameter count) of a random model with the shape in `args`."""
+    from tx.models.safetensors_io import SafetensorsDir
+    from tx.models.tiny import TinySpec, write_tiny_model
+
+    spec = TinySpec(hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
+                    num_kv_heads=args.num_kv_heads, head_dim=args.hidden_size // args.num_heads,
+                    intermediate_size=args.intermediate_size, vocab_size=args.vocab_size, init_std=0.02)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_tiny_model(Path(tmp) / "model", spec)
+        files = SafetensorsDir(model_dir)
+        yield model_dir, sum(int(np.prod(files.shape(k))) for k in files.keys())
