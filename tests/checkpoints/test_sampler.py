@@ -4,7 +4,6 @@ training goes on, the slot LRU cache, persist=False, S3 round trip, crash safety
 import io
 import socket
 import tarfile
-import time
 
 import numpy as np
 import pytest

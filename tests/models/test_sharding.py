@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tests.helpers import random_batch
 from tests.models.test_qwen3_parity import logprobs
-from tx.models.adapters import init_adapter, lora_modules, set_adapter_weights
+from tx.models.adapters import init_adapter, lora_modules
 from tx.models.config import LoraSlots
 from tx.models.loading import load_model
 from tx.models.sharding import batch_spec, make_mesh, param_spec

@@ -1,6 +1,5 @@
 """Temperature / top-k / top-p selection on a small vocabulary, checked statistically with fixed seeds."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

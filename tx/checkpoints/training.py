@@ -8,7 +8,6 @@ current mesh, so a checkpoint is readable with another mesh, slot, max_lora_rank
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import jax

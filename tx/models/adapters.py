@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tx.models.layers.lora import LoraA, LoraB, LoraScale
+from tx.models.layers.lora import LoraA, LoraScale
 from tx.models.sharding import to_host
 
 
