@@ -133,3 +133,30 @@ def test_cli_help_and_validation():
     ]:
         proc = subprocess.run([sys.executable, "-m", "tx.run", *args], env=env, cwd=ROOT, capture_output=True, text=True)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr[-500:])
+
+
+def test_sigterm_on_process_zero_shuts_every_host_down(tiny_dirs, tmp_path):
+    import signal
+    import time
+
+    port = _ports()
+    common = ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--base-model", tiny_dirs["dense"]]
+    p0 = subprocess.Popen([sys.executable, "-m", "tx.run", *common, "--process-id", "0", "--steps", "100000"],
+                          env=_env(4), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p1 = subprocess.Popen([sys.executable, "-m", "tx.run", *common, "--process-id", "1"],
+                          env=_env(4), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        first = p0.stdout.readline()
+        while '"step"' not in first:  # wait until training runs on both hosts
+            assert first, "process 0 exited before training"
+            first = p0.stdout.readline()
+        p0.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        rc0 = p0.wait(timeout=60)
+        rc1 = p1.wait(timeout=60)
+    finally:
+        for p in (p0, p1):
+            if p.poll() is None:
+                p.kill()
+    assert rc0 == 143 and rc1 == 0, (rc0, rc1)
+    assert time.monotonic() - start < 60
