@@ -82,12 +82,18 @@ class PreparedModelPassBatch(_Strict):
     request_batch_slices: list[tuple[str, str, int, int]] = Field(
         description="(request_id, model_id, start, end): datums [start, end) belong to that request"
     )
+    all_segment_ids: list[list[int]] | None = Field(
+        None, description="packed datums: per token, which example it belongs to (attention stays within an "
+        "example, positions restart at each); None = one example per datum"
+    )
 
     @model_validator(mode="after")
     def _same_lengths(self) -> PreparedModelPassBatch:
         n = len(self.all_input_ids)
         fields = ("all_targets", "all_token_weights", "all_sampling_logprobs", "all_advantages",
                   "all_model_ids", "all_loss_fns", "all_loss_fn_configs")
+        if self.all_segment_ids is not None:
+            fields += ("all_segment_ids",)
         for name in fields:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries, all_input_ids has {n}")

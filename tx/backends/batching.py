@@ -28,6 +28,7 @@ class Row:
     advantages: np.ndarray  # float32 [n]
     loss_index: int
     config: np.ndarray  # float32 [len(losses.config_keys())]
+    segment_ids: np.ndarray  # int32 [n]
 
 
 def bucket_length(n: int, minimum: int = 16) -> int:
@@ -99,6 +100,12 @@ def validate(
                         f"datum {i - start}: target_tokens has {len(batch.all_targets[i])} entries "
                         f"but model_input has {n} tokens"
                     )
+                segments = np.zeros(n, np.int32)
+                if batch.all_segment_ids is not None:
+                    segments = np.asarray(batch.all_segment_ids[i], np.int64)
+                    if segments.shape != (n,) or np.any(np.diff(segments) < 0) or segments.min() < 0:
+                        raise ValueError(f"datum {i - start}: segment_ids must be {n} non-decreasing ids >= 0")
+                    segments = segments.astype(np.int32)
                 request_rows.append(
                     Row(
                         request_index=r,
@@ -110,6 +117,7 @@ def validate(
                         advantages=_float_field("advantages", batch.all_advantages[i], n, i - start),
                         loss_index=loss_names.index(loss),
                         config=np.asarray([config.get(k, 0.0) for k in keys], np.float32),
+                        segment_ids=segments,
                     )
                 )
         except (KeyError, ValueError) as e:
@@ -131,6 +139,8 @@ def pack(rows: list[Row], num_rows: int, seq_len: int, num_keys: int) -> dict[st
         "adapter": np.zeros(num_rows, np.int32),
         "loss_index": np.zeros(num_rows, np.int32),
         "config": np.zeros((num_rows, num_keys), np.float32),
+        "segment_ids": np.zeros((num_rows, seq_len), np.int32),
+        "positions": np.zeros((num_rows, seq_len), np.int32),
     }
     for b, row in enumerate(rows):
         n = len(row.input_ids)
@@ -143,4 +153,8 @@ def pack(rows: list[Row], num_rows: int, seq_len: int, num_keys: int) -> dict[st
         out["adapter"][b] = row.adapter
         out["loss_index"][b] = row.loss_index
         out["config"][b] = row.config
+        seg = row.segment_ids
+        out["segment_ids"][b, :n] = seg
+        starts = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])  # first token of each segment
+        out["positions"][b, :n] = np.arange(n) - np.repeat(starts, np.diff(np.r_[starts, n]))
     return out

@@ -47,7 +47,8 @@ def make_model_pass(
     def summed_loss(lora, frozen, batch):
         model = nnx.merge(graphdef, lora, frozen)
         adapter_b = batch["adapter"]
-        hidden_btd = model(batch["input_ids"], batch["attention_mask"], adapter_b)
+        hidden_btd = model(batch["input_ids"], batch["attention_mask"], adapter_b,
+                           positions_bt=batch["positions"], segment_ids_bt=batch["segment_ids"])
         tlp_bt = model.target_logprobs(hidden_btd, batch["targets"], adapter_b, chunk_size=chunk_size)
         inputs = {k: batch[k] for k in losses.INPUT_KEYS}
         loss_bt = losses.per_token_losses(tlp_bt, inputs, batch["loss_index"], batch["config"], loss_names, keys)
