@@ -42,22 +42,26 @@ def run_pair(scenario: str, model_dir: str, tmp_path: Path, timeout: float = 240
     port = _ports()
     out = tmp_path / f"{scenario}-multi.json"
     coordinator = f"127.0.0.1:{port}"
-    p0 = subprocess.Popen([sys.executable, str(DRIVER), scenario, model_dir, str(out), coordinator, "2"],
-                          env=_env(4), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    p1 = subprocess.Popen([sys.executable, "-m", "tx.run", "--coordinator-address", coordinator, "--num-processes", "2",
-                           "--process-id", "1", "--base-model", model_dir, "--heartbeat-timeout", "3"],
-                          env=_env(4), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        log0, _ = p0.communicate(timeout=timeout)
-    finally:
-        if p1.poll() is None:
+    # Output goes to files: an undrained pipe would fill up with log lines and block a process.
+    log0, log1 = tmp_path / f"{scenario}-p0.log", tmp_path / f"{scenario}-p1.log"
+    with open(log0, "w") as f0, open(log1, "w") as f1:
+        p0 = subprocess.Popen([sys.executable, str(DRIVER), scenario, model_dir, str(out), coordinator, "2"],
+                              env=_env(4), cwd=ROOT, stdout=f0, stderr=subprocess.STDOUT)
+        p1 = subprocess.Popen([sys.executable, "-m", "tx.run", "--coordinator-address", coordinator, "--num-processes",
+                               "2", "--process-id", "1", "--base-model", model_dir, "--heartbeat-timeout", "3"],
+                              env=_env(4), cwd=ROOT, stdout=f1, stderr=subprocess.STDOUT)
+        try:
+            p0.wait(timeout=timeout)
+        finally:
+            if p0.poll() is None:
+                p0.kill()
             try:
                 p1.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 p1.kill()
-        log1 = p1.stdout.read()
-    assert p0.returncode == 0, log0[-4000:] + "\n--- worker ---\n" + log1[-4000:]
-    return json.loads(out.read_text()), p1.returncode, log1
+                p1.wait()
+    assert p0.returncode == 0, log0.read_text()[-4000:] + "\n--- worker ---\n" + log1.read_text()[-4000:]
+    return json.loads(out.read_text()), p1.returncode, log1.read_text()
 
 
 def run_single(scenario: str, model_dir: str, tmp_path: Path):
@@ -140,23 +144,26 @@ def test_sigterm_on_process_zero_shuts_every_host_down(tiny_dirs, tmp_path):
     import time
 
     port = _ports()
-    common = ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--base-model", tiny_dirs["dense"]]
-    p0 = subprocess.Popen([sys.executable, "-m", "tx.run", *common, "--process-id", "0", "--steps", "100000"],
-                          env=_env(4), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    p1 = subprocess.Popen([sys.executable, "-m", "tx.run", *common, "--process-id", "1"],
-                          env=_env(4), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        first = p0.stdout.readline()
-        while '"step"' not in first:  # wait until training runs on both hosts
-            assert first, "process 0 exited before training"
-            first = p0.stdout.readline()
-        p0.send_signal(signal.SIGTERM)
-        start = time.monotonic()
-        rc0 = p0.wait(timeout=60)
-        rc1 = p1.wait(timeout=60)
-    finally:
-        for p in (p0, p1):
-            if p.poll() is None:
-                p.kill()
-    assert rc0 == 143 and rc1 == 0, (rc0, rc1)
+    common = ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--base-model", tiny_dirs["dense"],
+              "--fully-sharded-data-parallel-size", "4", "--tensor-parallel-size", "2"]
+    log0, log1 = tmp_path / "p0.log", tmp_path / "p1.log"
+    with open(log0, "w") as f0, open(log1, "w") as f1:
+        p0 = subprocess.Popen([sys.executable, "-m", "tx.run", *common, "--process-id", "0", "--steps", "100000"],
+                              env=_env(4), cwd=ROOT, stdout=f0, stderr=subprocess.STDOUT)
+        p1 = subprocess.Popen([sys.executable, "-m", "tx.run", *common, "--process-id", "1"],
+                              env=_env(4), cwd=ROOT, stdout=f1, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while '"step": 1' not in log0.read_text():  # training runs on both hosts
+                assert p0.poll() is None and time.monotonic() < deadline, log0.read_text()[-3000:]
+                time.sleep(0.2)
+            p0.send_signal(signal.SIGTERM)
+            start = time.monotonic()
+            rc0 = p0.wait(timeout=60)
+            rc1 = p1.wait(timeout=60)
+        finally:
+            for p in (p0, p1):
+                if p.poll() is None:
+                    p.kill()
+    assert rc0 == 143 and rc1 == 0, (rc0, rc1, log1.read_text()[-2000:])
     assert time.monotonic() - start < 60

@@ -48,6 +48,9 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         n = fsdp * config.expert_parallel_size * config.tensor_parallel_size
         if n > len(jax.devices()):
             raise ValueError(f"mesh fsdp*ep*tp = {n} needs {n} devices; {len(jax.devices())} available")
+        if jax.process_count() > 1 and n != jax.device_count():
+            raise ValueError(f"a multi-host mesh must cover all {jax.device_count()} devices of the "
+                             f"{jax.process_count()} processes; fsdp*ep*tp = {n}")
         if config.train_micro_batch_size % fsdp:
             raise ValueError(
                 f"train_micro_batch_size={config.train_micro_batch_size} must be a multiple of "

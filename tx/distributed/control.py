@@ -146,11 +146,17 @@ class Coordinator:
         if errors:
             raise RemoteError("; ".join(f"process {pid}: {e}" for pid, e in sorted(errors.items())))
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Tell every worker to stop, then wait (bounded) for each to close its end first: closing ours
+        while their heartbeats are unread would reset the connection and could lose the message."""
         for w in self.workers.values():
             try:
                 w.channel.send({"type": "shutdown"})
             except OSError:
-                pass
+                w.closed = True
+        deadline = time.monotonic() + timeout
+        while not all(w.closed for w in self.workers.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for w in self.workers.values():
             w.channel.close()
         self._server.close()

@@ -196,7 +196,7 @@ def load_model(
         if isinstance(var, (LoraA, LoraB, LoraScale)):
             value = jax.make_array_from_callback(
                 want.shape, sharding, lambda idx, shp=want.shape, dt=want.dtype: np.zeros(
-                    [len(range(*s.indices(n))) for s, n in zip(idx, shp)], dt)
+                    [len(range(*s.indices(n))) for s, n in zip(idx, shp)], dt), dtype=want.dtype,
             )
         else:
             src = hf_source(names, abstract, files)
@@ -211,7 +211,8 @@ def load_model(
                 )
             np_dtype = np.dtype(want.dtype)
             value = jax.make_array_from_callback(
-                want.shape, sharding, lambda idx, src=src, shp=want.shape: src.read(_concrete(idx, shp)).astype(np_dtype)
+                want.shape, sharding, lambda idx, src=src, shp=want.shape: src.read(_concrete(idx, shp)).astype(np_dtype),
+                dtype=want.dtype,
             )
         loaded[path] = var.replace(value)
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))

@@ -110,7 +110,7 @@ def put_global(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """A global array from a host array every process holds in full (each process fills its own shards);
     works the same in one process and across hosts."""
     array = np.asarray(array)
-    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index], dtype=array.dtype)
 
 
 def to_host(x: jax.Array) -> np.ndarray:
