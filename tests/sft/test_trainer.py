@@ -1,0 +1,115 @@
+"""SFT trainer: loss goes down, exact resume, checkpoint pruning, PEFT export, sweeps equal single runs,
+config errors that name the field."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from peft import PeftModel
+from pydantic import ValidationError
+from transformers import AutoModelForCausalLM
+
+from tests.helpers import hf_logprobs
+from tx.models.adapters import get_adapter_weights
+from tx.sft.__main__ import load_config
+from tx.sft.config import SFTConfig
+from tx.sft.trainer import SFTTrainer
+
+ROOT = Path(__file__).parents[2]
+DATA = {"dataset": str(ROOT / "examples/data/chat_train.jsonl"), "eval_dataset": str(ROOT / "examples/data/chat_eval.jsonl"),
+        "max_length": 64}
+RUNS = [{"name": "fast", "rank": 8, "learning_rate": 1e-2}, {"name": "slow", "rank": 4, "learning_rate": 3e-3, "seed": 1}]
+
+
+def config(tiny_dirs, tmp_path, **overrides) -> SFTConfig:
+    values = {"base_model": tiny_dirs["dense"], "data": DATA, "runs": RUNS, "batch_size": 16, "num_steps": 6,
+              "pack_length": 128, "optimizer": {"scheduler": "cosine", "warmup_steps": 1}} | overrides
+    return SFTConfig.model_validate(values)
+
+
+def weights(trainer, run):
+    meta = trainer.backend.models[run]
+    return get_adapter_weights(trainer.backend.model, meta.adapter_index, meta.lora_config.rank)
+
+
+@pytest.fixture(scope="module")
+def full(tiny_dirs, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sft")
+    cfg = config(tiny_dirs, tmp, ckpt_path=str(tmp / "ckpts"), ckpt_interval=2, max_ckpts_to_keep=2,
+                 export_path=str(tmp / "export"), eval_before_train=True, metrics_file=str(tmp / "metrics.jsonl"))
+    trainer = SFTTrainer(cfg)
+    summary = trainer.fit()
+    return trainer, summary, tmp
+
+
+def test_loss_goes_down_and_outputs(full):
+    trainer, summary, tmp = full
+    records = [json.loads(x) for x in (tmp / "metrics.jsonl").read_text().splitlines()]
+    first_eval = records[0]
+    steps = [r for r in records if "fast/loss" in r]
+    assert len(steps) == 6 and steps[-1]["fast/loss"] < 0.5 * steps[0]["fast/loss"]
+    assert summary["fast/eval_loss"] < 0.5 * first_eval["fast/eval_loss"]
+    assert summary["slow/eval_loss"] < first_eval["slow/eval_loss"]
+    assert trainer.backend.metrics.compiles["forward_backward"] == 1
+    # checkpoints: steps 2, 4, 6 written, 2 kept, the marker names the newest
+    assert sorted(p.name for p in (tmp / "ckpts").glob("global_step_*")) == ["global_step_4", "global_step_6"]
+    assert (tmp / "ckpts" / "latest_ckpt_global_step.txt").read_text() == "6"
+
+
+def test_exported_adapter_loads_in_peft_and_matches(full, tiny_dirs):
+    trainer, _, tmp = full
+    ex = trainer.eval[0]
+    out = trainer.backend.forward(trainer._batch([ex], normalise=False))["fast"]
+    got = out.loss_fn_outputs[0]["logprobs"].to_numpy()
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dirs["dense"], dtype=torch.float32),
+                                     str(tmp / "export" / "fast"))
+    ids = ex.input_ids[None]
+    want = hf_logprobs(peft, ids, np.ones_like(ids), ex.target_tokens[None])[0]
+    assert np.abs(got - want).max() <= 1e-4
+
+
+def test_resume_from_latest_equals_uninterrupted(full, tiny_dirs, tmp_path):
+    trainer, _, _ = full
+    cfg = config(tiny_dirs, tmp_path, ckpt_path=str(tmp_path / "ckpts"), ckpt_interval=1)
+    first = SFTTrainer(cfg)
+    assert first.fit(stop_after=3) == {"interrupted_at": 3}
+    resumed = SFTTrainer(cfg.model_copy(update={"resume_from": "latest"}))
+    resumed.fit()
+    assert resumed.step == 6
+    for run in ("fast", "slow"):
+        want, got = weights(trainer, run), weights(resumed, run)
+        for k in want:
+            np.testing.assert_array_equal(got[k][0], want[k][0])
+            np.testing.assert_array_equal(got[k][1], want[k][1])
+
+
+def test_sweep_equals_each_run_alone(full, tiny_dirs, tmp_path):
+    trainer, _, _ = full
+    alone = SFTTrainer(config(tiny_dirs, tmp_path, runs=[RUNS[1]]))
+    alone.fit()
+    want, got = weights(alone, "slow"), weights(trainer, "slow")
+    for k in want:
+        np.testing.assert_allclose(got[k][1], want[k][1], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got[k][0], want[k][0], rtol=1e-5, atol=1e-6)
+
+
+def test_bad_configs_name_the_field(tiny_dirs, tmp_path):
+    with pytest.raises(ValidationError, match="unknown_key"):
+        SFTConfig.model_validate({"data": DATA, "unknown_key": 1})
+    with pytest.raises(ValidationError, match="batch_size"):
+        load_config(None, [f"data.dataset={DATA['dataset']}", "batch_size=0"])
+    with pytest.raises(ValidationError, match="max_length"):
+        SFTConfig.model_validate({"data": DATA | {"max_length": 4}})
+    with pytest.raises(ValidationError, match="names must be unique"):
+        SFTConfig.model_validate({"data": DATA, "runs": [{"name": "x"}, {"name": "x"}]})
+    with pytest.raises(FileNotFoundError, match="data.dataset: .*missing.jsonl"):
+        SFTTrainer(config(tiny_dirs, tmp_path, data=DATA | {"dataset": str(tmp_path / "missing.jsonl")}))
+    with pytest.raises(ValueError, match="no example .* has trainable tokens after truncation to max_length=8"):
+        SFTTrainer(config(tiny_dirs, tmp_path, data=DATA | {"max_length": 8}, pack_length=None))
+    proc = subprocess.run([sys.executable, "-m", "tx.sft", f"data.dataset={DATA['dataset']}", "optimizer.scheduler=cosin"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "optimizer.scheduler" in proc.stderr

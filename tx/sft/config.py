@@ -1,0 +1,88 @@
+"""SFTConfig: everything an SFT job needs, validated (unknown keys and bad values name the field)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tx.sft.masks import TrainOnWhat
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RunConfig(_Strict):
+    """One adapter trained by the job. Several runs train concurrently in shared batches."""
+
+    name: str = Field("main", pattern=r"^[A-Za-z0-9_.-]+$", description="run name (directory and metric prefix)")
+    rank: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0)
+    seed: int = 0
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+    learning_rate: float = Field(1e-4, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class OptimizerConfig(_Strict):
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip_norm: float = Field(1.0, ge=0, description="0 = no clipping")
+    scheduler: Literal["constant_with_warmup", "cosine", "linear"] = "constant_with_warmup"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine/linear decay floor, as a fraction of lr")
+
+
+class DataConfig(_Strict):
+    dataset: str = Field(description="JSONL / Parquet / Arrow file or directory, or a Hugging Face dataset name")
+    split: str = "train"
+    messages_key: str = "messages"
+    tools_key: str = "tools"
+    system_key: str | None = Field(None, description="column holding a system prompt to prepend")
+    max_length: int = Field(2048, ge=8, description="tokens per example; longer ones are cut on the right")
+    train_on_what: TrainOnWhat = "last_assistant_message"
+    eval_dataset: str | None = None
+    eval_split: str = "train"
+
+
+class SFTConfig(_Strict):
+    base_model: str = Field("tiny", description="HF directory or hub id; 'tiny' = the built-in tiny model")
+    runs: list[RunConfig] = Field(default_factory=lambda: [RunConfig()], min_length=1)
+    optimizer: OptimizerConfig = OptimizerConfig()
+    data: DataConfig
+    batch_size: int = Field(8, ge=1, description="examples per optimizer step (per run)")
+    num_epochs: int | None = Field(1, ge=1)
+    num_steps: int | None = Field(None, ge=1, description="overrides num_epochs when set")
+    seed: int = Field(0, description="data order")
+    pack_length: int | None = Field(None, ge=8, description="tokens per packed row (default: max_length); "
+                                    "several examples share a row, attention stays within each")
+    packing: bool = True
+    micro_batch_rows: int = Field(0, ge=0, description="rows per jit call (0 = all rows of a step)")
+    eval_interval: int = Field(0, ge=0, description="steps between evals (0 = only at the end)")
+    eval_before_train: bool = False
+    ckpt_path: str | None = Field(None, description="checkpoints go to <ckpt_path>/global_step_N/")
+    ckpt_interval: int = Field(0, ge=0, description="steps between checkpoints (0 = only at the end)")
+    max_ckpts_to_keep: int = Field(0, ge=0, description="0 = keep all")
+    resume_from: str = Field("", description="'' (fresh), 'latest', or a global_step_N directory")
+    export_path: str | None = Field(None, description="PEFT adapters per run at the end: <export_path>/<run>/")
+    metrics_file: str | None = Field(None, description="JSON lines, one per step and eval")
+    max_lora_adapters: int | None = Field(None, ge=2, description="default: runs + 1")
+    loss_chunk_size: int = Field(1024, ge=1)
+    gradient_checkpointing: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> SFTConfig:
+        names = [r.name for r in self.runs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"runs: names must be unique, got {names}")
+        if self.num_epochs is None and self.num_steps is None:
+            raise ValueError("set num_epochs or num_steps")
+        if self.resume_from and not self.ckpt_path and self.resume_from == "latest":
+            raise ValueError("resume_from='latest' needs ckpt_path")
+        if self.pack_length is not None and self.pack_length < self.data.max_length:
+            raise ValueError(f"pack_length={self.pack_length} is smaller than data.max_length={self.data.max_length}")
+        return self

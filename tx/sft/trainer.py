@@ -1,0 +1,203 @@
+"""The SFT loop on the tx backend: several runs (adapters) train concurrently in shared, packed batches.
+
+Each step takes the next `batch_size` examples (a seeded permutation per epoch, so step N always sees the
+same data: resuming is exact), packs them into rows, and sends one forward_backward whose rows are
+repeated once per run, each copy on that run's adapter. Weights are divided by the step's number of
+trained tokens, so `loss:sum` is the mean token cross-entropy. Then each run takes its own AdamW step
+with its own learning-rate schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from tx import types
+from tx.backends.config import JaxBackendConfig
+from tx.backends.jax import JaxBackend
+from tx.checkpoints import peft_format
+from tx.sft.config import RunConfig, SFTConfig
+from tx.sft.data import load_rows, packed_rows, tokenize_rows
+
+LATEST = "latest_ckpt_global_step.txt"
+
+
+def learning_rate(run: RunConfig, cfg: SFTConfig, step: int, total: int) -> float:
+    opt = cfg.optimizer
+    if step < opt.warmup_steps:
+        return run.learning_rate * (step + 1) / opt.warmup_steps
+    if opt.scheduler == "constant_with_warmup":
+        return run.learning_rate
+    progress = (step - opt.warmup_steps) / max(1, total - opt.warmup_steps)
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if opt.scheduler == "cosine" else 1 - progress
+    return run.learning_rate * (opt.min_lr_ratio + (1 - opt.min_lr_ratio) * shape)
+
+
+class SFTTrainer:
+    def __init__(self, cfg: SFTConfig):
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        base = cfg.base_model
+        if base == "tiny":
+            from tx.score import tiny_model_dir
+
+            base = str(tiny_model_dir())
+        self.base_model = base
+        self.backend = JaxBackend(base, JaxBackendConfig(
+            max_lora_adapters=cfg.max_lora_adapters or len(cfg.runs) + 1,
+            max_lora_rank=max(r.rank for r in cfg.runs),
+            train_micro_batch_size=cfg.micro_batch_rows,
+            max_seq_len=max(cfg.pack_length or 0, cfg.data.max_length),
+            loss_chunk_size=cfg.loss_chunk_size,
+            gradient_checkpointing=cfg.gradient_checkpointing,
+        ))
+        tokenizer = AutoTokenizer.from_pretrained(str(self.backend.model_dir))
+        self.train = tokenize_rows(load_rows(cfg.data.dataset, cfg.data.split), tokenizer, cfg.data)
+        self.eval = (tokenize_rows(load_rows(cfg.data.eval_dataset, cfg.data.eval_split), tokenizer, cfg.data)
+                     if cfg.data.eval_dataset else [])
+        for run in cfg.runs:
+            self.backend.create_model(run.name, types.LoraConfig(
+                rank=run.rank, alpha=run.alpha, seed=run.seed, train_attn=run.train_attn,
+                train_mlp=run.train_mlp, train_unembed=run.train_unembed))
+        self.steps_per_epoch = math.ceil(len(self.train) / cfg.batch_size)
+        self.total_steps = cfg.num_steps or cfg.num_epochs * self.steps_per_epoch
+        self.step = 0
+        self._metrics_file = open(cfg.metrics_file, "a") if cfg.metrics_file else None
+
+    # ---- data ----
+
+    def batch_indices(self, step: int) -> list[int]:
+        epoch, within = divmod(step, self.steps_per_epoch)
+        order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.train))
+        return order[within * self.cfg.batch_size : (within + 1) * self.cfg.batch_size].tolist()
+
+    def _batch(self, examples, normalise: bool) -> types.PreparedModelPassBatch:
+        rows = packed_rows(examples, (self.cfg.pack_length or self.cfg.data.max_length) if self.cfg.packing else None)
+        total = sum(float(r["weights"].sum()) for r in rows)
+        scale = 1.0 / total if normalise else 1.0
+        fields: dict[str, list] = {k: [] for k in ("all_input_ids", "all_targets", "all_token_weights", "all_sampling_logprobs",
+                                                   "all_advantages", "all_model_ids", "all_loss_fns", "all_loss_fn_configs",
+                                                   "all_segment_ids")}
+        slices = []
+        for run in self.cfg.runs:
+            start = len(fields["all_input_ids"])
+            for r in rows:
+                fields["all_input_ids"].append(r["input_ids"].tolist())
+                fields["all_targets"].append(r["targets"].tolist())
+                fields["all_token_weights"].append((r["weights"] * scale).tolist())
+                fields["all_sampling_logprobs"].append([])
+                fields["all_advantages"].append([])
+                fields["all_model_ids"].append(run.name)
+                fields["all_loss_fns"].append("cross_entropy")
+                fields["all_loss_fn_configs"].append(None)
+                fields["all_segment_ids"].append(r["segment_ids"].tolist())
+            slices.append((run.name, run.name, start, len(fields["all_input_ids"])))
+        return types.PreparedModelPassBatch(**fields, request_batch_slices=slices)
+
+    # ---- steps ----
+
+    def train_step(self) -> dict[str, Any]:
+        start = time.perf_counter()
+        examples = [self.train[i] for i in self.batch_indices(self.step)]
+        out = self.backend.forward_backward(self._batch(examples, normalise=True))
+        record: dict[str, Any] = {"step": self.step + 1, "tokens": int(sum(e.weights.sum() for e in examples))}
+        for run in self.cfg.runs:
+            result = out[run.name]
+            if isinstance(result, types.ErrorResponse):
+                raise RuntimeError(f"run {run.name}: {result.error}")
+            lr = learning_rate(run, self.cfg, self.step, self.total_steps)
+            opt = self.cfg.optimizer
+            metrics = self.backend.optim_step(run.name, types.OptimStepInput(adam_params=types.AdamParams(
+                learning_rate=lr, beta1=opt.beta1, beta2=opt.beta2, eps=opt.eps, weight_decay=run.weight_decay,
+                grad_clip_norm=opt.grad_clip_norm))).metrics
+            record[f"{run.name}/loss"] = result.metrics["loss:sum"]
+            record[f"{run.name}/lr"] = lr
+            record[f"{run.name}/grad_norm"] = metrics["grad_norm"]
+        elapsed = time.perf_counter() - start
+        record |= {"step_time_s": round(elapsed, 4), "tokens_per_s": round(record["tokens"] / elapsed, 1)}
+        self.step += 1
+        return record
+
+    def evaluate(self) -> dict[str, Any]:
+        """Token-weighted mean cross-entropy of each run on the eval set."""
+        if not self.eval:
+            return {}
+        out = self.backend.forward(self._batch(self.eval, normalise=False))
+        total = sum(float(e.weights.sum()) for e in self.eval)
+        return {"step": self.step, **{f"{r.name}/eval_loss": out[r.name].metrics["loss:sum"] / total for r in self.cfg.runs}}
+
+    # ---- checkpoints and exports ----
+
+    def save(self) -> Path:
+        root = Path(self.cfg.ckpt_path)
+        step_dir = root / f"global_step_{self.step}"
+        for run in self.cfg.runs:
+            self.backend.save_checkpoint(step_dir / run.name, run.name)
+        (step_dir / "trainer_state.json").write_text(json.dumps({"step": self.step, "runs": [r.name for r in self.cfg.runs]}))
+        (root / LATEST).write_text(str(self.step))  # written last: a crash before leaves the previous one
+        if self.cfg.max_ckpts_to_keep:
+            steps = sorted(int(p.name.split("_")[-1]) for p in root.glob("global_step_*"))
+            for old in steps[: -self.cfg.max_ckpts_to_keep]:
+                shutil.rmtree(root / f"global_step_{old}", ignore_errors=True)
+        return step_dir
+
+    def resume(self) -> None:
+        target = self.cfg.resume_from
+        if not target:
+            return
+        if target == "latest":
+            marker = Path(self.cfg.ckpt_path) / LATEST
+            if not marker.exists():
+                return  # nothing saved yet: start fresh
+            target = str(Path(self.cfg.ckpt_path) / f"global_step_{marker.read_text().strip()}")
+        state = json.loads((Path(target) / "trainer_state.json").read_text())
+        for run in self.cfg.runs:
+            self.backend.load_checkpoint(Path(target) / run.name, run.name)
+        self.step = state["step"]
+
+    def export(self, path: str | Path) -> None:
+        for run in self.cfg.runs:
+            meta = self.backend.models[run.name]
+            peft_format.export_adapter(self.backend.model, meta.adapter_index, meta.lora_config.rank,
+                                       meta.lora_config.alpha, self.base_model, Path(path) / run.name)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self._metrics_file:
+            self._metrics_file.write(json.dumps(record) + "\n")
+            self._metrics_file.flush()
+
+    def fit(self, stop_after: int | None = None) -> dict[str, Any]:
+        """Train to the end (or `stop_after` steps, to simulate an interruption); return a summary."""
+        self.resume()
+        if self.cfg.eval_before_train and self.step == 0:
+            self.log(self.evaluate())
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="sft", disable=None)
+        done = 0
+        while self.step < self.total_steps and (stop_after is None or done < stop_after):
+            record = self.train_step()
+            done += 1
+            self.log(record)
+            bar.update(1)
+            bar.set_postfix({k: round(v, 4) for k, v in record.items() if k.endswith("/loss")} | {"tok/s": record["tokens_per_s"]})
+            if self.cfg.eval_interval and self.step % self.cfg.eval_interval == 0:
+                self.log(self.evaluate())
+            if self.cfg.ckpt_path and self.cfg.ckpt_interval and self.step % self.cfg.ckpt_interval == 0:
+                self.save()
+        bar.close()
+        if self.step < self.total_steps:
+            return {"interrupted_at": self.step}
+        summary = {"summary": True, "steps": self.step, **self.evaluate()}
+        if self.cfg.ckpt_path:
+            self.save()
+        if self.cfg.export_path:
+            self.export(self.cfg.export_path)
+        self.log(summary)
+        return summary
