@@ -113,3 +113,29 @@ def test_bad_configs_name_the_field(tiny_dirs, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "tx.sft", f"data.dataset={DATA['dataset']}", "optimizer.scheduler=cosin"],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and "optimizer.scheduler" in proc.stderr
+
+
+def test_cache_parquet_dummy_run_and_periodic_exports(tiny_dirs, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(line) for line in Path(DATA["dataset"]).read_text().splitlines()]
+    alpaca = [{"instruction": r["messages"][-2]["content"], "input": "", "output": r["messages"][-1]["content"]} for r in rows]
+    pq.write_table(pa.Table.from_pylist(alpaca), tmp_path / "alpaca.parquet")
+    data = {"dataset": str(tmp_path / "alpaca.parquet"), "max_length": 64}
+    common = dict(data=data, runs=[RUNS[0]], num_steps=2, cache_dir=str(tmp_path / "cache"),
+                  export_path=str(tmp_path / "export"), hf_save_interval=1, export_merged=True)
+    first = SFTTrainer(config(tiny_dirs, tmp_path, **common))
+    assert first.cache_hits == 0 and len(first.train) == len(alpaca)
+    first.fit()
+    second = SFTTrainer(config(tiny_dirs, tmp_path, **common))
+    assert second.cache_hits == 1  # tokenized once, reused
+    for a, b in zip(first.train, second.train):
+        np.testing.assert_array_equal(a.input_ids, b.input_ids)
+        np.testing.assert_array_equal(a.weights, b.weights)
+    assert SFTTrainer(config(tiny_dirs, tmp_path, **common, force_recache=True)).cache_hits == 0
+    assert (tmp_path / "export" / "global_step_1" / "fast" / "adapter_config.json").exists()
+    assert (tmp_path / "export" / "global_step_2" / "fast" / "adapter_model.safetensors").exists()
+    assert (tmp_path / "export" / "fast-merged" / "config.json").exists()
+    dummy = SFTTrainer(config(tiny_dirs, tmp_path, dummy_run_full_ctx=True, dummy_run_max_steps=2, runs=[RUNS[0]]))
+    assert dummy.fit()["steps"] == 2 and all(len(e.input_ids) == 64 for e in dummy.train)

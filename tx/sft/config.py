@@ -69,6 +69,13 @@ class SFTConfig(_Strict):
     max_ckpts_to_keep: int = Field(0, ge=0, description="0 = keep all")
     resume_from: str = Field("", description="'' (fresh), 'latest', or a global_step_N directory")
     export_path: str | None = Field(None, description="PEFT adapters per run at the end: <export_path>/<run>/")
+    hf_save_interval: int = Field(0, ge=0, description="also export every N steps to <export_path>/global_step_N/<run>/")
+    export_merged: bool = Field(False, description="also write base + adapter merged HF models: <export_path>/<run>-merged/")
+    cache_dir: str | None = Field(None, description="cache tokenized datasets here (keyed by data, config, tokenizer)")
+    force_recache: bool = False
+    disable_cache: bool = False
+    dummy_run_full_ctx: bool = Field(False, description="train on synthetic full-length rows to check memory")
+    dummy_run_max_steps: int = Field(3, ge=1)
     metrics_file: str | None = Field(None, description="JSON lines, one per step and eval")
     max_lora_adapters: int | None = Field(None, ge=2, description="default: runs + 1")
     loss_chunk_size: int = Field(1024, ge=1)
@@ -83,6 +90,10 @@ class SFTConfig(_Strict):
             raise ValueError("set num_epochs or num_steps")
         if self.resume_from and not self.ckpt_path and self.resume_from == "latest":
             raise ValueError("resume_from='latest' needs ckpt_path")
+        if self.export_merged and not self.export_path:
+            raise ValueError("export_merged needs export_path")
+        if self.hf_save_interval and not self.export_path:
+            raise ValueError("hf_save_interval needs export_path")
         if self.pack_length is not None and self.pack_length < self.data.max_length:
             raise ValueError(f"pack_length={self.pack_length} is smaller than data.max_length={self.data.max_length}")
         return self

@@ -19,6 +19,9 @@ from tx.sft.masks import Example, tokenize_conversation
 
 def load_rows(source: str, split: str = "train") -> list[dict[str, Any]]:
     path = Path(source)
+    looks_local = path.suffix in (".jsonl", ".json", ".parquet", ".arrow", ".csv") or source.startswith(("/", "."))
+    if looks_local and not path.exists():
+        raise FileNotFoundError(f"data.dataset: {source} does not exist")
     if path.suffix in (".jsonl", ".json") and path.exists():
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         if not rows:
@@ -95,3 +98,45 @@ def packed_rows(examples: list[Example], capacity: int | None) -> list[dict[str,
             "examples": group,
         })
     return rows
+
+
+def cache_key(source: str, split: str, cfg: DataConfig, tokenizer) -> str:
+    """Changes with the data file (path, size, mtime), the data config and the tokenizer's vocabulary."""
+    import hashlib
+
+    path = Path(source)
+    stat = f"{path.stat().st_size}-{path.stat().st_mtime_ns}" if path.exists() else ""
+    parts = [str(path.resolve()) if path.exists() else source, split, stat, cfg.model_dump_json(),
+             str(len(tokenizer)), tokenizer.chat_template or "", tokenizer.name_or_path]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
+
+
+def load_examples(source: str, split: str, tokenizer, cfg: DataConfig, cache_dir: str | None = None,
+                  force_recache: bool = False) -> tuple[list[Example], bool]:
+    """Tokenized examples, from `cache_dir` when a matching cache exists; returns (examples, cache_hit)."""
+    cache = Path(cache_dir) / f"{cache_key(source, split, cfg, tokenizer)}.npz" if cache_dir else None
+    if cache is not None and cache.exists() and not force_recache:
+        with np.load(cache) as z:
+            bounds = z["bounds"]
+            return [Example(z["input_ids"][a:b], z["target_tokens"][a:b], z["weights"][a:b])
+                    for a, b in zip(bounds[:-1], bounds[1:])], True
+    examples = tokenize_rows(load_rows(source, split), tokenizer, cfg)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp.npz")
+        np.savez(tmp, bounds=np.cumsum([0] + [len(e.input_ids) for e in examples]),
+                 input_ids=np.concatenate([e.input_ids for e in examples]),
+                 target_tokens=np.concatenate([e.target_tokens for e in examples]),
+                 weights=np.concatenate([e.weights for e in examples]))
+        tmp.replace(cache)
+    return examples, False
+
+
+def dummy_examples(count: int, length: int, vocab: int, seed: int = 0) -> list[Example]:
+    """Full-length random examples, every token trained: the largest activations the config allows."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        ids = rng.integers(0, vocab, length + 1).astype(np.int32)
+        out.append(Example(ids[:-1], ids[1:], np.ones(length, np.float32)))
+    return out

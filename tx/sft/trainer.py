@@ -24,7 +24,7 @@ from tx.backends.config import JaxBackendConfig
 from tx.backends.jax import JaxBackend
 from tx.checkpoints import peft_format
 from tx.sft.config import RunConfig, SFTConfig
-from tx.sft.data import load_rows, packed_rows, tokenize_rows
+from tx.sft.data import dummy_examples, load_examples, packed_rows
 
 LATEST = "latest_ckpt_global_step.txt"
 
@@ -60,15 +60,26 @@ class SFTTrainer:
             gradient_checkpointing=cfg.gradient_checkpointing,
         ))
         tokenizer = AutoTokenizer.from_pretrained(str(self.backend.model_dir))
-        self.train = tokenize_rows(load_rows(cfg.data.dataset, cfg.data.split), tokenizer, cfg.data)
-        self.eval = (tokenize_rows(load_rows(cfg.data.eval_dataset, cfg.data.eval_split), tokenizer, cfg.data)
-                     if cfg.data.eval_dataset else [])
+        cache = None if cfg.disable_cache else cfg.cache_dir
+        self.cache_hits = 0
+        if cfg.dummy_run_full_ctx:
+            self.train = dummy_examples(cfg.batch_size, cfg.data.max_length, self.backend.model.config.vocab_size)
+            self.eval = []
+        else:
+            self.train, hit = load_examples(cfg.data.dataset, cfg.data.split, tokenizer, cfg.data, cache, cfg.force_recache)
+            self.cache_hits += hit
+            self.eval = []
+            if cfg.data.eval_dataset:
+                self.eval, hit = load_examples(cfg.data.eval_dataset, cfg.data.eval_split, tokenizer, cfg.data, cache,
+                                               cfg.force_recache)
+                self.cache_hits += hit
         for run in cfg.runs:
             self.backend.create_model(run.name, types.LoraConfig(
                 rank=run.rank, alpha=run.alpha, seed=run.seed, train_attn=run.train_attn,
                 train_mlp=run.train_mlp, train_unembed=run.train_unembed))
         self.steps_per_epoch = math.ceil(len(self.train) / cfg.batch_size)
-        self.total_steps = cfg.num_steps or cfg.num_epochs * self.steps_per_epoch
+        self.total_steps = (cfg.dummy_run_max_steps if cfg.dummy_run_full_ctx
+                            else cfg.num_steps or cfg.num_epochs * self.steps_per_epoch)
         self.step = 0
         self._metrics_file = open(cfg.metrics_file, "a") if cfg.metrics_file else None
 
@@ -191,6 +202,8 @@ class SFTTrainer:
                 self.log(self.evaluate())
             if self.cfg.ckpt_path and self.cfg.ckpt_interval and self.step % self.cfg.ckpt_interval == 0:
                 self.save()
+            if self.cfg.hf_save_interval and self.step % self.cfg.hf_save_interval == 0:
+                self.export(Path(self.cfg.export_path) / f"global_step_{self.step}")
         bar.close()
         if self.step < self.total_steps:
             return {"interrupted_at": self.step}
@@ -199,5 +212,11 @@ class SFTTrainer:
             self.save()
         if self.cfg.export_path:
             self.export(self.cfg.export_path)
+            if self.cfg.export_merged:
+                from tx.export import merge
+
+                for run in self.cfg.runs:
+                    merge(self.base_model, str(Path(self.cfg.export_path) / run.name),
+                          Path(self.cfg.export_path) / f"{run.name}-merged")
         self.log(summary)
         return summary
