@@ -25,6 +25,8 @@ class RunConfig(_Strict):
     train_unembed: bool = True
     learning_rate: float = Field(1e-4, ge=0)
     weight_decay: float = Field(0.0, ge=0)
+    dataset: str | None = Field(None, description="this run's own training data (default: data.dataset); "
+                                "it is cycled for the job's number of steps")
 
 
 class OptimizerConfig(_Strict):
@@ -77,6 +79,7 @@ class SFTConfig(_Strict):
     dummy_run_full_ctx: bool = Field(False, description="train on synthetic full-length rows to check memory")
     dummy_run_max_steps: int = Field(3, ge=1)
     metrics_file: str | None = Field(None, description="JSON lines, one per step and eval")
+    wandb_project: str | None = Field(None, description="also log to Weights & Biases (needs the wandb package)")
     max_lora_adapters: int | None = Field(None, ge=2, description="default: runs + 1")
     loss_chunk_size: int = Field(1024, ge=1)
     gradient_checkpointing: bool = False

@@ -64,10 +64,15 @@ class SFTTrainer:
         self.cache_hits = 0
         if cfg.dummy_run_full_ctx:
             self.train = dummy_examples(cfg.batch_size, cfg.data.max_length, self.backend.model.config.vocab_size)
+            self.train_by_run = {run.name: self.train for run in cfg.runs}
             self.eval = []
         else:
-            self.train, hit = load_examples(cfg.data.dataset, cfg.data.split, tokenizer, cfg.data, cache, cfg.force_recache)
-            self.cache_hits += hit
+            loaded: dict[str, list] = {}
+            for source in dict.fromkeys([cfg.data.dataset] + [r.dataset for r in cfg.runs if r.dataset]):
+                loaded[source], hit = load_examples(source, cfg.data.split, tokenizer, cfg.data, cache, cfg.force_recache)
+                self.cache_hits += hit
+            self.train = loaded[cfg.data.dataset]
+            self.train_by_run = {run.name: loaded[run.dataset or cfg.data.dataset] for run in cfg.runs}
             self.eval = []
             if cfg.data.eval_dataset:
                 self.eval, hit = load_examples(cfg.data.eval_dataset, cfg.data.eval_split, tokenizer, cfg.data, cache,
@@ -82,23 +87,34 @@ class SFTTrainer:
                             else cfg.num_steps or cfg.num_epochs * self.steps_per_epoch)
         self.step = 0
         self._metrics_file = open(cfg.metrics_file, "a") if cfg.metrics_file else None
+        self._wandb = None
+        if cfg.wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                raise ValueError("wandb_project is set but the wandb package is not installed") from None
+            self._wandb = wandb.init(project=cfg.wandb_project, config=cfg.model_dump())
 
     # ---- data ----
 
-    def batch_indices(self, step: int) -> list[int]:
-        epoch, within = divmod(step, self.steps_per_epoch)
-        order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.train))
+    def batch_indices(self, step: int, size: int | None = None) -> list[int]:
+        """The examples of `step` in a dataset of `size` (default: the job's): a seeded permutation per epoch."""
+        size = size or len(self.train)
+        per_epoch = math.ceil(size / self.cfg.batch_size)
+        epoch, within = divmod(step, per_epoch)
+        order = np.random.default_rng([self.cfg.seed, epoch]).permutation(size)
         return order[within * self.cfg.batch_size : (within + 1) * self.cfg.batch_size].tolist()
 
-    def _batch(self, examples, normalise: bool) -> types.PreparedModelPassBatch:
-        rows = packed_rows(examples, (self.cfg.pack_length or self.cfg.data.max_length) if self.cfg.packing else None)
-        total = sum(float(r["weights"].sum()) for r in rows)
-        scale = 1.0 / total if normalise else 1.0
+    def _batch(self, examples_by_run: dict[str, list], normalise: bool) -> types.PreparedModelPassBatch:
+        """One datum list holding every run's packed rows, each run's rows on its own adapter."""
         fields: dict[str, list] = {k: [] for k in ("all_input_ids", "all_targets", "all_token_weights", "all_sampling_logprobs",
                                                    "all_advantages", "all_model_ids", "all_loss_fns", "all_loss_fn_configs",
                                                    "all_segment_ids")}
         slices = []
         for run in self.cfg.runs:
+            rows = packed_rows(examples_by_run[run.name],
+                               (self.cfg.pack_length or self.cfg.data.max_length) if self.cfg.packing else None)
+            scale = 1.0 / sum(float(r["weights"].sum()) for r in rows) if normalise else 1.0
             start = len(fields["all_input_ids"])
             for r in rows:
                 fields["all_input_ids"].append(r["input_ids"].tolist())
@@ -117,9 +133,11 @@ class SFTTrainer:
 
     def train_step(self) -> dict[str, Any]:
         start = time.perf_counter()
-        examples = [self.train[i] for i in self.batch_indices(self.step)]
-        out = self.backend.forward_backward(self._batch(examples, normalise=True))
-        record: dict[str, Any] = {"step": self.step + 1, "tokens": int(sum(e.weights.sum() for e in examples))}
+        by_run = {name: [data[i] for i in self.batch_indices(self.step, len(data))]
+                  for name, data in self.train_by_run.items()}
+        out = self.backend.forward_backward(self._batch(by_run, normalise=True))
+        record: dict[str, Any] = {"step": self.step + 1,
+                                  "tokens": int(sum(e.weights.sum() for ex in by_run.values() for e in ex))}
         for run in self.cfg.runs:
             result = out[run.name]
             if isinstance(result, types.ErrorResponse):
@@ -141,7 +159,7 @@ class SFTTrainer:
         """Token-weighted mean cross-entropy of each run on the eval set."""
         if not self.eval:
             return {}
-        out = self.backend.forward(self._batch(self.eval, normalise=False))
+        out = self.backend.forward(self._batch({r.name: self.eval for r in self.cfg.runs}, normalise=False))
         total = sum(float(e.weights.sum()) for e in self.eval)
         return {"step": self.step, **{f"{r.name}/eval_loss": out[r.name].metrics["loss:sum"] / total for r in self.cfg.runs}}
 
@@ -184,6 +202,8 @@ class SFTTrainer:
         if self._metrics_file:
             self._metrics_file.write(json.dumps(record) + "\n")
             self._metrics_file.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record.get("step"))
 
     def fit(self, stop_after: int | None = None) -> dict[str, Any]:
         """Train to the end (or `stop_after` steps, to simulate an interruption); return a summary."""
@@ -219,4 +239,6 @@ class SFTTrainer:
                     merge(self.base_model, str(Path(self.cfg.export_path) / run.name),
                           Path(self.cfg.export_path) / f"{run.name}-merged")
         self.log(summary)
+        if self._wandb is not None:
+            self._wandb.finish()
         return summary
