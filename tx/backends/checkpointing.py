@@ -42,7 +42,7 @@ def _put_scales(scales: nnx.State, values: Any, slot: int) -> Any:
 
 
 class CheckpointMixin:
-    """Needs: model, mesh, models, slots, _opt_states, _grad_sum, _accumulated, base_model, _slot()."""
+    """Needs: model, mesh, models, slots, _opt_states, base_model, _slot(), _reset_accumulation()."""
 
     _snapshots: OrderedDict[str, tuple[Any, Any]]
 
@@ -100,8 +100,7 @@ class CheckpointMixin:
         nnx.update(self.model, put_slot(lora, weights, jnp.int32(slot)), _put_scales(scales, new_scales, slot))
         self._opt_states[model_id] = opt_state if load_optimizer else init_opt_state(
             _split(self.model)[1], slot, self.mesh)
-        self._grad_sum = jax.tree.map(lambda g: g.at[..., slot, :, :].set(0), self._grad_sum)
-        self._accumulated[model_id] = {"sequences": 0, "tokens": 0}
+        self._reset_accumulation(model_id, slot)
         self.models[model_id] = self.models[model_id].model_copy(update={
             "lora_config": types.LoraConfig(**meta["lora_config"]), "optim_steps": meta.get("optim_steps", 0)})
         logger.info("loaded %s into %s (optimizer: %s)", checkpoint_path, model_id, load_optimizer)

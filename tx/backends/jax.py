@@ -111,6 +111,12 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         self._names += 1
         return f"{self.run_id}-{self._names:06d}"
 
+    def _reset_accumulation(self, model_id: str, slot: int | None = None) -> None:
+        """Forget what the adapter accumulated since its last step: counters, and gradient sums of `slot`."""
+        if slot is not None:
+            self._grad_sum = jax.tree.map(lambda g: g.at[..., slot, :, :].set(0), self._grad_sum)
+        self._accumulated[model_id] = {"sequences": 0, "tokens": 0}
+
     def has_model(self, model_id: str) -> bool:
         return model_id in self.models
 
@@ -135,7 +141,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         )
         _, lora, _ = split_model(self.model)
         self._opt_states[model_id] = init_opt_state(lora, slot, self.mesh)
-        self._accumulated[model_id] = {"sequences": 0, "tokens": 0}
+        self._reset_accumulation(model_id)
         self.models[model_id] = types.ModelMetadata(
             model_id=model_id, adapter_index=slot, lora_config=lora_config.model_copy(update={"seed": seed})
         )
@@ -144,7 +150,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
     def delete_model(self, model_id: str) -> None:
         slot = self._slot(model_id)
         clear_adapter(self.model, slot)
-        self._grad_sum = jax.tree.map(lambda g: g.at[..., slot, :, :].set(0), self._grad_sum)
+        self._reset_accumulation(model_id, slot)
         del self.models[model_id], self._opt_states[model_id], self._accumulated[model_id]
         self.slots.release(slot)
         logger.info("deleted model %s, freed slot %d", model_id, slot)
@@ -239,7 +245,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         out = {k: float(to_host(v)) for k, v in metrics.items()}
         out |= {"learning_rate": request_data.adam_params.learning_rate,
                 "accumulated_sequences": float(acc["sequences"]), "accumulated_tokens": float(acc["tokens"])}
-        self._accumulated[model_id] = {"sequences": 0, "tokens": 0}
+        self._reset_accumulation(model_id)  # the step itself zeroed the slot's gradient sums
         meta = self.models[model_id]
         self.models[model_id] = meta.model_copy(update={"optim_steps": meta.optim_steps + 1})
         return types.OptimStepOutput(metrics=out)
