@@ -1,13 +1,15 @@
 """`python -m tx.run`: the one entry point for every host.
 
-    python -m tx.run                                          # one process, the built-in tiny model
+    python -m tx.run                                          # serve the built-in tiny model on :8000
     python -m tx.run --coordinator-address 10.0.0.2:8476 --num-processes 4 --process-id 0 \\
-        --base-model Qwen/Qwen3-8B --tensor-parallel-size 4 --fully-sharded-data-parallel-size 8
+        --base-model Qwen/Qwen3-8B --tensor-parallel-size 4 --fully-sharded-data-parallel-size 8 \\
+        --host 0.0.0.0 --api-key tml-...
 
-Process 0 is the coordinator: it owns the backend front (now the `smoke` job; the Tinker API service is
-the next step) and broadcasts every backend call over a control channel (TCP, `--control-port`, default
-coordinator port + 1) to the other processes, which run the worker loop. On Cloud TPU pass
-`--auto-distributed` and let `jax.distributed.initialize()` discover the hosts.
+Process 0 serves the Tinker HTTP API (drive it with the `tinker` SDK: base_url=http://HOST:PORT and any
+key starting with tml- that the server accepts) and broadcasts every backend call over a control
+channel (TCP, `--control-port`, default coordinator port + 1) to the other processes, which run the
+worker loop. On Cloud TPU pass `--auto-distributed` and let `jax.distributed.initialize()` discover the
+hosts. `--job smoke` instead trains, samples and saves one adapter and exits (a quick self-check).
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ import time
 
 from pydantic import ValidationError
 
+from tx.api.app import ApiConfig
+from tx.api.server import ServiceConfig
 from tx.backends.config import JaxBackendConfig
+from tx.engine.engine import EngineConfig
 
 logger = logging.getLogger("tx.run")
 
@@ -52,10 +57,43 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             m.add_argument(flag, default=None, help=f"{field.description} (default {field.default})")
     j = p.add_argument_group("job (process 0)")
-    j.add_argument("--job", choices=["smoke"], default="smoke",
-                   help="smoke: create an adapter, train it on a few synthetic batches, sample, save and reload it")
+    j.add_argument("--job", choices=["serve", "smoke"], default="serve",
+                   help="serve: the Tinker API; smoke: train an adapter on synthetic batches, sample, exit")
     j.add_argument("--steps", type=int, default=10, help="training steps of the smoke job")
+    s = p.add_argument_group("service (--job serve)")
+    for name, field in ServiceConfig.model_fields.items():
+        s.add_argument("--" + name.replace("_", "-"), default=None, help=f"{field.description} (default {field.default})")
+    s.add_argument("--api-key", action="append", default=[],
+                   help="accepted X-API-Key (repeatable; also TX_API_KEYS=k1,k2); none on loopback = any key")
+    s.add_argument("--no-auth", action="store_true", help="accept requests without a valid key")
+    for name, field in ApiConfig.model_fields.items():
+        if name not in ("api_keys", "no_auth"):
+            flag = "--" + name.replace("_", "-")
+            if field.annotation is bool:
+                s.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=field.description)
+            else:
+                s.add_argument(flag, type=float if field.annotation is float else int, default=None,
+                               help=f"{field.description} (default {field.default})")
+    for name, field in EngineConfig.model_fields.items():
+        if name != "checkpoint_root":
+            s.add_argument("--" + name.replace("_", "-"), type=field.annotation, default=None,
+                           help=f"{field.description} (default {field.default})")
     return p
+
+
+def service_configs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[ServiceConfig, ApiConfig, dict]:
+    def given(names) -> dict:
+        return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+    keys = args.api_key + [k for k in os.environ.get("TX_API_KEYS", "").split(",") if k]
+    engine = given(n for n in EngineConfig.model_fields if n != "checkpoint_root")
+    try:
+        EngineConfig(checkpoint_root="", **engine)
+        return (ServiceConfig(**given(ServiceConfig.model_fields)),
+                ApiConfig(api_keys=keys, no_auth=args.no_auth,
+                          **given(n for n in ApiConfig.model_fields if n not in ("api_keys", "no_auth"))), engine)
+    except ValidationError as e:
+        parser.error(f"invalid service config: {e}")
 
 
 def backend_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> JaxBackendConfig:
@@ -150,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     validate_processes(args, parser)
     config = backend_config(args, parser)
+    service = service_configs(args, parser)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s")
     initialize_distributed(args)
@@ -177,7 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     backend = None
     try:
         backend = DistributedBackend(base_model, config, coordinator)
-        smoke_job(backend, args.steps)
+        if args.job == "smoke":
+            smoke_job(backend, args.steps)
+        else:
+            from tx.api.server import serve
+
+            service_config, api_config, engine_config = service
+            serve(backend, args.base_model, base_model, service_config, engine_config, api_config,
+                  fatal=(WorkerFailure,))
     except WorkerFailure as e:
         # A host is gone: collectives cannot complete, so fail fast instead of waiting on them.
         logger.error("stopping: %s", e)

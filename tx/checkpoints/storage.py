@@ -71,7 +71,7 @@ def write_dir(path: str | os.PathLike, version: str | None = None, primary: bool
     _write_text_atomic(target / POINTER, version)
     for old in target.iterdir():
         if old.name.startswith("v-") and old.name != version:
-            _remove(old)
+            remove(old)
 
 
 @contextlib.contextmanager
@@ -128,11 +128,14 @@ def _write_text_atomic(path, text: str) -> None:
         os.unlink(f.name)
 
 
-def _remove(path) -> None:
+def remove(path) -> None:
+    """Delete a checkpoint directory or file, local or remote."""
     if isinstance(path, CloudPath):
         path.rmtree() if path.is_dir() else path.unlink()
-    else:
+    elif Path(path).is_dir():
         shutil.rmtree(path, ignore_errors=True)
+    else:
+        Path(path).unlink(missing_ok=True)
 
 
 def pack_tar(source_dir: Path, out_file: Path) -> None:

@@ -1,0 +1,532 @@
+"""The Tinker HTTP API (as spoken by the `tinker` SDK 0.38) over the engine and the store.
+
+Submit endpoints answer at once with a future id; results come from the `retrieve_future` long-poll.
+Training requests are sequenced per model by `seq_id`: a request refused at submit (HTTP 400) still
+takes its place in that order, so the model's later requests are not held up by it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import logging
+from typing import Any, Callable
+
+import zstandard
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field, ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from tx import losses, types
+from tx.api import schemas, wire
+from tx.engine import paths
+from tx.engine.engine import Engine
+from tx.engine.ops import CreateFromStateRequest, CreateRequest, LoadRequest, SaveRequest, SampleRequest, UserError
+from tx.engine.store import Store
+
+logger = logging.getLogger(__name__)
+
+
+class ApiConfig(BaseModel):
+    api_keys: list[str] = Field(default_factory=list, description="accepted X-API-Key values")
+    no_auth: bool = Field(False, description="accept requests without a valid key (local use)")
+    max_body_bytes: int = Field(64 << 20, ge=1024, description="largest request body (as sent)")
+    max_decompressed_bytes: int = Field(256 << 20, ge=1024, description="largest zstd-decompressed body")
+    long_poll_s: float = Field(30.0, gt=0, le=40, description="how long retrieve_future holds a pending request")
+    compress_fwdbwd: bool = Field(True, description="ask the SDK to zstd-compress forward_backward bodies")
+
+
+class ServedModel(BaseModel):
+    """What this server serves: the base model's public name and where clients find its tokenizer."""
+
+    model_name: str
+    aliases: list[str]
+    tokenizer_id: str
+    arch: str
+    max_context_length: int
+    max_lora_rank: int
+    max_num_samples: int
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def _iso(ts: float | None) -> str | None:
+    return None if ts is None else dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat()
+
+
+def _str_metadata(meta: dict | None) -> dict[str, str]:
+    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (meta or {}).items()}
+
+
+def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedModel) -> FastAPI:
+    app = FastAPI(title="tx: Tinker-compatible API", version="0.38")
+    io = run_in_threadpool  # store calls block; keep them off the event loop
+
+    # ---- plumbing: errors, auth, bodies ----
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, e: ApiError):
+        return JSONResponse({"detail": str(e)}, status_code=e.status)
+
+    @app.exception_handler(UserError)
+    async def _user_error(_request: Request, e: UserError):
+        return JSONResponse({"detail": str(e)}, status_code=400)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if request.url.path.startswith("/api/v1/") and request.url.path != "/api/v1/healthz" and not config.no_auth:
+            if request.headers.get("x-api-key") not in config.api_keys:
+                return JSONResponse({"detail": "missing or unknown X-API-Key"}, status_code=401)
+        return await call_next(request)
+
+    async def read_body(request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
+            raise ApiError(413, f"body of {declared} bytes exceeds the limit of {config.max_body_bytes}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > config.max_body_bytes:
+                raise ApiError(413, f"body exceeds the limit of {config.max_body_bytes} bytes")
+            chunks.append(chunk)
+        body = b"".join(chunks)
+        encoding = request.headers.get("content-encoding", "").lower()
+        if encoding in ("", "identity"):
+            return body
+        if encoding != "zstd":
+            raise ApiError(415, f"Content-Encoding {encoding!r} is not supported (zstd or none)")
+        try:
+            reader = zstandard.ZstdDecompressor().stream_reader(body)
+            out = reader.read(config.max_decompressed_bytes + 1)
+        except zstandard.ZstdError as e:
+            raise ApiError(400, f"body is not valid zstd: {e}") from None
+        if len(out) > config.max_decompressed_bytes:
+            raise ApiError(413, f"decompressed body exceeds the limit of {config.max_decompressed_bytes} bytes")
+        return out
+
+    async def parse(request: Request, model: type[BaseModel]) -> Any:
+        body = await read_body(request)
+        try:
+            return model.model_validate_json(body or b"{}")
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors())
+            raise ApiError(400, f"invalid {model.__name__} request: {problems}") from None
+
+    async def live_model(model_id: str) -> dict:
+        model = await io(store.model, model_id)
+        if model is None:
+            raise ApiError(404, f"model_id {model_id!r} not found")
+        if model["status"] not in ("creating", "ready"):
+            raise ApiError(400, f"model_id {model_id!r} is {model['status']}; create it again (e.g. from a "
+                                "checkpoint with create_training_client_from_state)")
+        return model
+
+    async def active_session(session_id: str) -> dict:
+        session = await io(store.session, session_id)
+        if session is None:
+            raise ApiError(404, f"session_id {session_id!r} not found")
+        if session["status"] != "active":
+            raise ApiError(410, f"session {session_id} is {session['status']}")
+        return session
+
+    def check_base_model(name: str | None, field: str = "base_model") -> None:
+        if name is not None and name not in served.aliases:
+            raise ApiError(400, f"{field} {name!r} is not served here; this server serves {served.model_name!r}")
+
+    async def submit_training(model_id: str, seq_id: int, kind: str, build: Callable[[], Any], size: int = 1,
+                              session_id: str | None = None) -> dict:
+        """Submit a sequenced op; if `build` refuses the request, its seq_id is still consumed."""
+        key = f"train:{model_id}:{seq_id}"
+        try:
+            payload = build()
+        except (UserError, ValidationError) as e:
+            await io(engine.submit, "rejected", str(e), key, model_id, seq_id)
+            raise ApiError(400, str(e)) from None
+        request_id = await io(engine.submit, kind, payload, key, model_id, seq_id, session_id, size)
+        return {"request_id": request_id, "model_id": model_id}
+
+    def checkpoint_location(path: str, kind: str, field: str = "path") -> str:
+        model_id, found_kind, name = paths.parse_tinker_path(path, field)
+        if found_kind != kind:
+            raise UserError(f"{field} {path!r} is a {found_kind} checkpoint; this call needs {kind}")
+        row = store.checkpoint(model_id, kind, name)
+        if row is None:
+            raise UserError(f"{field}: checkpoint {path} not found")
+        return row["location"]
+
+    # ---- configuration, sessions, telemetry ----
+
+    @app.get("/api/v1/healthz")
+    async def healthz():
+        return {"status": "ok"}
+
+    @app.post("/api/v1/client/config")
+    async def client_config(request: Request):
+        await read_body(request)
+        return {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": config.compress_fwdbwd,
+                "sample_use_retrieve_futures": False, "custom_loss_server_side": False,
+                "sample_join_sampling_session": False}
+
+    @app.post("/api/v1/client/dynamic_config")
+    async def dynamic_config(request: Request):
+        await read_body(request)
+        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+    @app.post("/api/v1/create_session")
+    async def create_session(request: Request):
+        body = await parse(request, schemas.CreateSession)
+        session_id = await io(store.create_session, body.tags, body.user_metadata, body.sdk_version, body.display_name)
+        return {"session_id": session_id, "type": "create_session"}
+
+    @app.post("/api/v1/session_heartbeat")
+    async def session_heartbeat(request: Request):
+        body = await parse(request, schemas.SessionRef)
+        status = await io(store.heartbeat, body.session_id)
+        if status is None:
+            raise ApiError(404, f"session_id {body.session_id!r} not found")
+        if status != "active":
+            raise ApiError(410, f"session {body.session_id} is {status}")
+        return {"type": "session_heartbeat"}
+
+    @app.post("/api/v1/sessions/{session_id}/finish")
+    async def finish_session(session_id: str, request: Request):
+        await parse(request, schemas.FinishSession)
+        if await io(store.session, session_id) is None:
+            raise ApiError(404, f"session_id {session_id!r} not found")
+        if await io(store.end_session, session_id, "finished"):
+            engine.end_session(session_id)
+        return {}
+
+    @app.get("/api/v1/sessions/{session_id}")
+    async def get_session(session_id: str):
+        session = await io(store.session, session_id)
+        if session is None:
+            raise ApiError(404, f"session_id {session_id!r} not found")
+        models, _ = await io(store.list_models, 1000, 0, session_id)
+        return {"training_run_ids": [m["model_id"] for m in models],
+                "sampler_ids": await io(store.sampling_session_ids, session_id),
+                "user_metadata": session["user_metadata"], "display_name": session["display_name"]}
+
+    @app.get("/api/v1/sessions")
+    async def list_sessions(limit: int = 20, offset: int = 0):
+        return {"sessions": await io(store.list_sessions, limit, offset)}
+
+    @app.post("/api/v1/telemetry")
+    async def telemetry(request: Request):
+        await read_body(request)  # accepted and dropped
+        return {"status": "accepted"}
+
+    @app.get("/api/v1/get_server_capabilities")
+    async def capabilities():
+        return {"supported_models": [{"model_name": served.model_name, "max_context_length": served.max_context_length,
+                                      "trainable": True, "sampleable": True}]}
+
+    @app.get("/api/v1/metrics")
+    async def metrics():
+        backend = engine.backend.metrics
+        return {"engine": dict(engine.metrics), "backend_compiles": backend.compiles, "backend_calls": backend.calls}
+
+    # ---- training ----
+
+    @app.post("/api/v1/create_model")
+    async def create_model(request: Request):
+        body = await parse(request, schemas.CreateModel)
+        await active_session(body.session_id)
+        check_base_model(body.base_model)
+        if body.optimizer_config.type != "adamw":
+            raise ApiError(400, f"optimizer_config.type {body.optimizer_config.type!r} is not supported (adamw only)")
+        lora = body.lora_config
+        if lora.rank > served.max_lora_rank:
+            raise ApiError(400, f"lora_config.rank {lora.rank} exceeds this server's max_lora_rank {served.max_lora_rank}")
+        try:
+            lora_config = types.LoraConfig(rank=lora.rank, alpha=float(lora.rank), seed=lora.seed,
+                                           train_attn=lora.train_attn, train_mlp=lora.train_mlp,
+                                           train_unembed=lora.train_unembed)
+        except ValidationError as e:
+            raise ApiError(400, f"lora_config: {e.errors()[0]['msg']}") from None
+        model_id = paths.model_id_of(body.session_id, body.model_seq_id)
+        key = f"create:{body.session_id}:{body.model_seq_id}"
+        if (known := await io(store.future_by_key, key)) is not None:
+            return {"request_id": known, "model_id": model_id}
+        if await io(store.model, model_id) is not None:
+            raise ApiError(400, f"model_seq_id {body.model_seq_id} of session {body.session_id} is already used")
+        await io(store.add_model, model_id, body.session_id, served.model_name, lora_config.model_dump(),
+                 body.user_metadata or {})
+        request_id = await io(engine.submit, "create_model", CreateRequest(lora_config), key, model_id, 0,
+                              body.session_id)
+        return {"request_id": request_id, "model_id": model_id}
+
+    @app.post("/api/v1/get_info")
+    async def get_info(request: Request):
+        body = await parse(request, schemas.ModelRef)
+        model = await io(store.model, body.model_id)
+        if model is None:
+            raise ApiError(404, f"model_id {body.model_id!r} not found")
+        return {"model_id": body.model_id, "model_name": served.model_name, "is_lora": True,
+                "lora_rank": model["lora_config"]["rank"], "optimizer_config": {"type": "adamw"}, "type": "get_info",
+                "model_data": {"arch": served.arch, "model_name": served.model_name, "tokenizer_id": served.tokenizer_id}}
+
+    @app.post("/api/v1/forward_backward")
+    async def forward_backward(request: Request):
+        msg = wire.decode_forward_backward(await read_body(request))
+        if msg.seq_id < 1:
+            raise ApiError(400, f"seq_id {msg.seq_id} must be >= 1")
+        await live_model(msg.model_id)
+
+        def build():
+            if msg.loss_fn not in losses.names():
+                raise UserError(f"loss_fn {msg.loss_fn!r} is not supported; available: {', '.join(losses.names())}")
+            return wire.pass_request(msg)
+
+        kind = "forward" if msg.forward_only else "forward_backward"
+        return await submit_training(msg.model_id, msg.seq_id, kind, build, size=max(1, len(msg.data)))
+
+    @app.post("/api/v1/optim_step")
+    async def optim_step(request: Request):
+        body = await parse(request, schemas.OptimStep)
+        await live_model(body.model_id)
+
+        def build():
+            if body.adam_params is None:
+                raise UserError("only AdamW is supported: send adam_params")
+            return types.AdamParams(**body.adam_params.model_dump())
+
+        return await submit_training(body.model_id, body.seq_id, "optim_step", build)
+
+    @app.post("/api/v1/save_weights")
+    async def save_weights(request: Request):
+        body = await parse(request, schemas.SaveWeights)
+        await live_model(body.model_id)
+        return await submit_training(body.model_id, body.seq_id, "save_weights", lambda: SaveRequest(
+            paths.check_name(body.path), body.ttl_seconds, _str_metadata(body.user_metadata)))
+
+    @app.post("/api/v1/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request):
+        body = await parse(request, schemas.SaveWeightsForSampler)
+        model = await live_model(body.model_id)
+
+        def build():
+            if body.path is not None:
+                return SaveRequest(paths.check_name(body.path), body.ttl_seconds, _str_metadata(body.user_metadata))
+            if body.sampling_session_seq_id is None:
+                raise UserError("save_weights_for_sampler needs either path or sampling_session_seq_id")
+            sid = paths.sampling_session_id_of(model["session_id"], body.sampling_session_seq_id)
+            return SaveRequest(None, sampling_session_id=sid)
+
+        return await submit_training(body.model_id, body.seq_id, "save_weights_for_sampler", build,
+                                     session_id=model["session_id"])
+
+    @app.post("/api/v1/load_weights")
+    async def load_weights(request: Request):
+        body = await parse(request, schemas.LoadWeights)
+        if body.model_id is not None:  # legacy in-place load, sequenced like any training op
+            if body.seq_id is None:
+                raise ApiError(400, "load_weights with model_id needs seq_id")
+            await live_model(body.model_id)
+            return await submit_training(body.model_id, body.seq_id, "load_weights", lambda: LoadRequest(
+                checkpoint_location(body.path, "weights"), body.optimizer))
+        if body.session_id is None or body.model_seq_id is None:
+            raise ApiError(400, "load_weights needs model_id and seq_id, or session_id and model_seq_id")
+        await active_session(body.session_id)
+        check_base_model(body.base_model)
+        model_id = paths.model_id_of(body.session_id, body.model_seq_id)
+        key = f"create:{body.session_id}:{body.model_seq_id}"
+        if (known := await io(store.future_by_key, key)) is not None:
+            return {"request_id": known, "model_id": model_id}
+        source_id = paths.parse_tinker_path(body.path)[0]
+        location = await io(checkpoint_location, body.path, "weights")
+        source = await io(store.model, source_id)
+        if await io(store.model, model_id) is not None:
+            raise ApiError(400, f"model_seq_id {body.model_seq_id} of session {body.session_id} is already used")
+        await io(store.add_model, model_id, body.session_id, served.model_name,
+                 source["lora_config"] if source else {}, body.user_metadata or (source or {}).get("user_metadata") or {})
+        request_id = await io(engine.submit, "create_from_state", CreateFromStateRequest(location, body.optimizer), key,
+                              model_id, 0, body.session_id)
+        return {"request_id": request_id, "model_id": model_id}
+
+    @app.post("/api/v1/unload_model")
+    async def unload_model(request: Request):
+        body = await parse(request, schemas.ModelRef)
+        await live_model(body.model_id)
+        request_id = await io(engine.submit, "unload_model", None, f"unload:{body.model_id}", body.model_id)
+        return {"request_id": request_id, "model_id": body.model_id}
+
+    @app.post("/api/v1/weights_info")
+    async def weights_info(request: Request):
+        body = await parse(request, schemas.WeightsInfo)
+        model_id, kind, name = paths.parse_tinker_path(body.tinker_path, "tinker_path")
+        model = await io(store.model, model_id)
+        if model is None or await io(store.checkpoint, model_id, kind, name) is None:
+            raise ApiError(404, f"checkpoint {body.tinker_path} not found")
+        lora = model["lora_config"]
+        return {"base_model": model["base_model"], "optimizer_config": {"type": "adamw"}, "is_lora": True,
+                "lora_rank": lora.get("rank"), "train_unembed": lora.get("train_unembed"),
+                "train_mlp": lora.get("train_mlp"), "train_attn": lora.get("train_attn")}
+
+    # ---- sampling ----
+
+    @app.post("/api/v1/create_sampling_session")
+    async def create_sampling_session(request: Request):
+        body = await parse(request, schemas.CreateSamplingSession)
+        await active_session(body.session_id)
+        if body.model_path is None and body.base_model is None:
+            raise ApiError(400, "create_sampling_session needs model_path or base_model")
+        check_base_model(body.base_model)
+        location = None
+        if body.model_path is not None:
+            location = await io(checkpoint_location, body.model_path, "sampler_weights", "model_path")
+        sid = paths.sampling_session_id_of(body.session_id, body.sampling_session_seq_id)
+        await io(store.add_sampling_session, sid, body.session_id, served.model_name, body.model_path, location)
+        return {"sampling_session_id": sid, "type": "create_sampling_session"}
+
+    @app.get("/api/v1/samplers/{sampling_session_id}")
+    async def get_sampler(sampling_session_id: str):
+        row = await io(store.sampling_session, sampling_session_id)
+        if row is None:
+            raise ApiError(404, f"sampler {sampling_session_id!r} not found")
+        return {"sampler_id": sampling_session_id, "base_model": row["base_model"], "model_path": row["model_path"]}
+
+    @app.post("/api/v1/asample")
+    async def asample(request: Request):
+        body = await parse(request, schemas.Sample)
+        if body.sampling_session_id is not None:
+            row = await io(store.sampling_session, body.sampling_session_id)
+            if row is None:
+                raise ApiError(404, f"sampling_session_id {body.sampling_session_id!r} not found")
+            location = row["location"] or ""
+        elif body.model_path is not None:
+            location = await io(checkpoint_location, body.model_path, "sampler_weights", "model_path")
+        else:
+            check_base_model(body.base_model)
+            location = ""
+        for field in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
+            if getattr(body, field):
+                raise ApiError(400, f"{field} = {getattr(body, field)} is not supported by this server")
+        if body.target_prompt_logprobs is not None:
+            raise ApiError(400, "target_prompt_logprobs is not supported by this server")
+        if body.num_samples > served.max_num_samples:
+            raise ApiError(400, f"num_samples {body.num_samples} exceeds this server's limit {served.max_num_samples}")
+        prompt: list[int] = []
+        for i, chunk in enumerate(body.prompt.chunks):
+            if chunk.type != "encoded_text" or chunk.tokens is None:
+                raise ApiError(400, f"prompt.chunks[{i}]: {chunk.type} chunks are not supported (text models only)")
+            prompt += chunk.tokens
+        last_n = body.prompt_logprobs_last_n
+        if last_n is not None and not (body.prompt_logprobs and 1 <= last_n <= len(prompt) - 1):
+            raise ApiError(400, f"prompt_logprobs_last_n {last_n} needs prompt_logprobs and 1 <= N <= {len(prompt) - 1}")
+        p = body.sampling_params
+        stop = [p.stop] if isinstance(p.stop, str) else p.stop
+        params = types.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k,
+                                      top_p=p.top_p, seed=p.seed, stop=stop)
+        sample = SampleRequest(prompt, params, body.num_samples, body.prompt_logprobs, body.topk_prompt_logprobs,
+                               last_n, location)
+        key = None
+        if body.sampling_session_id is not None and body.seq_id is not None:
+            key = f"sample:{body.sampling_session_id}:{body.seq_id}"
+        request_id = await io(engine.submit, "sample", sample, key, None, None, None, body.num_samples)
+        return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(body.num_samples)]}
+
+    # ---- futures ----
+
+    @app.post("/api/v1/retrieve_future")
+    async def retrieve_future(request: Request):
+        body = await parse(request, schemas.RetrieveFuture)
+        row = await io(store.future, body.request_id)
+        if row is None:
+            raise ApiError(404, f"request_id {body.request_id!r} not found")
+        if row.status == "pending":
+            loop = asyncio.get_running_loop()
+            ready = asyncio.Event()
+
+            def wake() -> None:
+                loop.call_soon_threadsafe(ready.set)
+
+            engine.watch(body.request_id, wake)
+            try:
+                row = await io(store.future, body.request_id)  # it may have finished before we watched
+                if row.status == "pending":
+                    try:
+                        await asyncio.wait_for(ready.wait(), config.long_poll_s)
+                    except asyncio.TimeoutError:
+                        pass
+                    row = await io(store.future, body.request_id)
+            finally:
+                engine.unwatch(body.request_id, wake)
+        if row.status == "pending":
+            return {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
+        return Response(row.result, media_type=row.content_type)
+
+    # ---- training runs and checkpoints ----
+
+    def checkpoint_json(row: dict) -> dict:
+        return {"checkpoint_id": f"{row['kind']}/{row['name']}", "checkpoint_type": paths.KINDS[row["kind"]],
+                "time": _iso(row["created_at"]), "tinker_path": paths.tinker_path(row["model_id"], row["kind"], row["name"]),
+                "size_bytes": row["size_bytes"], "public": False, "user_metadata": _str_metadata(row["user_metadata"]),
+                "expires_at": _iso(row["expires_at"])}
+
+    def training_run_json(model: dict) -> dict:
+        checkpoints, _ = store.list_checkpoints(model["model_id"])
+        last = {kind: next((checkpoint_json(c) for c in checkpoints if c["kind"] == kind), None) for kind in paths.KINDS}
+        return {"training_run_id": model["model_id"], "base_model": model["base_model"],
+                "model_owner": model["session_id"], "is_lora": True, "corrupted": False,
+                "lora_rank": model["lora_config"].get("rank"), "last_request_time": _iso(model["last_request_time"]),
+                "last_checkpoint": last["weights"], "last_sampler_checkpoint": last["sampler_weights"],
+                "user_metadata": _str_metadata(model["user_metadata"])}
+
+    def run_or_404(run_id: str) -> dict:
+        model = store.model(run_id)
+        if model is None:
+            raise ApiError(404, f"training run {run_id!r} not found")
+        return model
+
+    @app.get("/api/v1/training_runs")
+    async def list_training_runs(limit: int = 20, offset: int = 0):
+        models, total = await io(store.list_models, limit, offset)
+        runs = [await io(training_run_json, m) for m in models]
+        return {"training_runs": runs, "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+
+    @app.get("/api/v1/training_runs/{run_id}")
+    async def get_training_run(run_id: str):
+        return await io(training_run_json, await io(run_or_404, run_id))
+
+    @app.get("/api/v1/training_runs/{run_id}/checkpoints")
+    async def list_run_checkpoints(run_id: str):
+        await io(run_or_404, run_id)
+        rows, total = await io(store.list_checkpoints, run_id)
+        return {"checkpoints": [checkpoint_json(r) for r in rows],
+                "cursor": {"offset": 0, "limit": len(rows), "total_count": total}}
+
+    @app.get("/api/v1/checkpoints")
+    async def list_all_checkpoints(limit: int = 100, offset: int = 0):
+        rows, total = await io(store.list_checkpoints, None, limit, offset)
+        return {"checkpoints": [checkpoint_json(r) for r in rows],
+                "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+
+    def checkpoint_key(run_id: str, kind: str, name: str) -> tuple[str, str, str]:
+        return paths.parse_tinker_path(paths.tinker_path(run_id, kind, name), "checkpoint")
+
+    @app.delete("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}")
+    async def delete_checkpoint(run_id: str, kind: str, name: str):
+        key = checkpoint_key(run_id, kind, name)
+        row = await io(store.checkpoint, *key)
+        if row is None:
+            raise ApiError(404, f"checkpoint {kind}/{name} of {run_id} not found")
+        await io(store.delete_checkpoint, *key)
+        await io(engine._delete_checkpoint_files, row["location"])
+        return {}
+
+    @app.put("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl")
+    async def set_ttl(run_id: str, kind: str, name: str, request: Request):
+        body = await parse(request, schemas.CheckpointTtl)
+        expires = None if body.ttl_seconds is None else dt.datetime.now().timestamp() + body.ttl_seconds
+        if not await io(store.set_checkpoint_expiry, *checkpoint_key(run_id, kind, name), expires):
+            raise ApiError(404, f"checkpoint {kind}/{name} of {run_id} not found")
+        return {}
+
+    return app

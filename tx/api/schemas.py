@@ -1,0 +1,154 @@
+"""JSON request bodies of the Tinker API (SDK 0.38), validated. Unknown fields are ignored (newer SDKs
+add some); missing or mistyped ones are 400 errors naming the field."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class CreateSession(_Body):
+    tags: list[str] = []
+    user_metadata: dict[str, Any] = {}
+    sdk_version: str | None = None
+    project_id: str | None = None
+    display_name: str | None = None
+
+
+class SessionRef(_Body):
+    session_id: str
+
+
+class FinishSession(_Body):
+    reason: dict[str, Any] | None = None
+    detail: str | None = None
+
+
+class LoraConfigBody(_Body):
+    rank: int = Field(32, ge=1)
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class OptimizerConfig(_Body):
+    type: str = "adamw"
+
+
+class CreateModel(_Body):
+    session_id: str
+    model_seq_id: int = Field(ge=0)
+    base_model: str
+    user_metadata: dict[str, Any] | None = None
+    lora_config: LoraConfigBody = LoraConfigBody()
+    optimizer_config: OptimizerConfig = OptimizerConfig()
+
+
+class ModelRef(_Body):
+    model_id: str
+
+
+class AdamParamsBody(_Body):
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+class OptimStep(_Body):
+    model_id: str
+    seq_id: int = Field(ge=1)
+    adam_params: AdamParamsBody | None = None
+    optimizer_params: dict[str, Any] | None = None
+
+
+class SaveWeights(_Body):
+    model_id: str
+    seq_id: int = Field(ge=1)
+    path: str
+    ttl_seconds: int | None = Field(None, ge=1)
+    overwrite: bool = False
+    user_metadata: dict[str, Any] | None = None
+
+
+class SaveWeightsForSampler(_Body):
+    model_id: str
+    seq_id: int = Field(ge=1)
+    path: str | None = None
+    sampling_session_seq_id: int | None = Field(None, ge=0)
+    ttl_seconds: int | None = Field(None, ge=1)
+    user_metadata: dict[str, Any] | None = None
+    kind: Literal["snapshot", "inflight"] = "snapshot"
+
+
+class LoadWeights(_Body):
+    path: str
+    optimizer: bool = False
+    model_id: str | None = None  # legacy in-place load: with seq_id
+    seq_id: int | None = Field(None, ge=1)
+    session_id: str | None = None  # create-via-load: with model_seq_id
+    model_seq_id: int | None = Field(None, ge=0)
+    base_model: str | None = None
+    user_metadata: dict[str, Any] | None = None
+
+
+class CreateSamplingSession(_Body):
+    session_id: str
+    sampling_session_seq_id: int = Field(ge=0)
+    model_path: str | None = None
+    base_model: str | None = None
+
+
+class SamplingParamsBody(_Body):
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | list[int] | None = None
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+
+class Chunk(_Body):
+    type: str = "encoded_text"
+    tokens: list[int] | None = None
+
+
+class ModelInput(_Body):
+    chunks: list[Chunk]
+
+
+class Sample(_Body):
+    num_samples: int = Field(1, ge=1)
+    prompt: ModelInput
+    sampling_params: SamplingParamsBody = SamplingParamsBody()
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    base_model: str | None = None
+    model_path: str | None = None
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = Field(0, ge=0)
+    topk_sample_logprobs: int = Field(0, ge=0)
+    prompt_alt_tokens_k: int = Field(0, ge=0)
+    prompt_logprobs_last_n: int | None = None
+    target_prompt_logprobs: dict[str, Any] | None = None
+
+
+class RetrieveFuture(_Body):
+    request_id: str
+    allow_metadata_only: bool = False
+
+
+class CheckpointTtl(_Body):
+    ttl_seconds: int | None = Field(None, ge=1)
+
+
+class WeightsInfo(_Body):
+    tinker_path: str

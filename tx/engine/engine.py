@@ -1,0 +1,394 @@
+"""The engine: accepted requests become futures in the store; one thread on process 0 forms rounds
+(see scheduler.py), calls the backend and writes each round's results in one transaction.
+
+Results are stored already encoded for the wire (the API passes in the encoders of the two protobuf
+result types); every other result and every error is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from typing import Any, Callable
+
+import sqlalchemy as sa
+from pydantic import BaseModel, Field
+
+from tx import types
+from tx.checkpoints import storage
+from tx.engine import paths
+from tx.engine.ops import PASS_KINDS, LoadRequest, Op, SaveRequest, UserError
+from tx.engine.scheduler import Round, Scheduler
+from tx.engine.store import Store
+
+logger = logging.getLogger(__name__)
+JSON = "application/json"
+Encoded = tuple[str, bytes]
+
+
+class EngineConfig(BaseModel):
+    checkpoint_root: str = Field(description="directory or cloud URL under which checkpoints are written")
+    batch_window_s: float = Field(0.02, ge=0, description="wait this long for other tenants' passes before a round")
+    session_timeout_s: float = Field(600.0, gt=0, description="a session without heartbeat this long expires "
+                                     "and its models are unloaded")
+    seq_gap_timeout_s: float = Field(120.0, gt=0, description="skip a missing seq_id after waiting this long")
+    max_pass_datums: int = Field(4096, ge=1, description="datums per forward/forward_backward backend call")
+    max_samples: int = Field(1024, ge=1, description="sequences per sampling backend call")
+
+
+def error_payload(message: str, category: str) -> Encoded:
+    return JSON, json.dumps({"error": message, "category": category}).encode()
+
+
+def json_payload(value: dict) -> Encoded:
+    return JSON, json.dumps(value, allow_nan=False).encode()
+
+
+def finite_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """JSON results must not carry NaN/Infinity (the SDK parses them with orjson)."""
+    return {k: float(v) for k, v in metrics.items() if math.isfinite(v)}
+
+
+class Engine:
+    def __init__(self, backend, store: Store, config: EngineConfig, base_model: str,
+                 encode_pass: Callable[[types.ForwardBackwardOutput], Encoded],
+                 encode_sample: Callable[[types.SampleOutput], Encoded],
+                 fatal: tuple[type[BaseException], ...] = ()):
+        self.backend = backend
+        self.store = store
+        self.config = config
+        self.base_model = base_model
+        self.encode_pass = encode_pass
+        self.encode_sample = encode_sample
+        self.fatal = fatal
+        self.scheduler = Scheduler(config.max_pass_datums, config.max_samples, config.seq_gap_timeout_s)
+        self.cond = threading.Condition()
+        self.watchers: dict[str, list[Callable[[], None]]] = {}
+        self.metrics: dict[str, int] = {}
+        self.error: BaseException | None = None
+        self.on_fatal: Callable[[], None] | None = None  # e.g. stop the HTTP server
+        self._stop = False
+        self._ending: set[str] = set()  # sessions finished by the client, to unload at the next round
+        self._next_housekeeping = 0.0
+        self._thread = threading.Thread(target=self._loop, name="tx-engine", daemon=True)
+        # Models the previous server held are no longer in the backend; what it never ran cannot run.
+        for model_id in store.models_in_status("creating", "ready"):
+            store.update_model(model_id, status="unloaded")
+        failed = store.fail_pending("the server restarted before this request ran; submit it again")
+        if failed:
+            logger.warning("failed %d requests left pending by the previous server", failed)
+
+    # ---- lifecycle ----
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self.cond:
+            self._stop = True
+            self.cond.notify_all()
+        self._thread.join(timeout=60)
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.metrics[name] = self.metrics.get(name, 0) + n
+
+    # ---- submission (API threads) ----
+
+    def submit(self, kind: str, payload: Any, dedup_key: str | None = None, model_id: str | None = None,
+               seq_id: int | None = None, session_id: str | None = None, size: int = 1) -> str:
+        """Accept a request: its future's id (the original one for a retried dedup_key)."""
+        with self.cond:
+            if self.error is not None:
+                raise RuntimeError(f"the engine stopped: {self.error}")
+            if dedup_key is not None and (known := self.store.future_by_key(dedup_key)) is not None:
+                return known
+            if seq_id is not None and kind != "create_model" and kind != "create_from_state":
+                expected = self.scheduler.expected_seq(model_id)
+                if expected is None:
+                    raise UserError(f"model_id {model_id!r} is not loaded on this server")
+                if seq_id < expected:
+                    raise UserError(f"seq_id {seq_id} of model {model_id} was already passed (next is {expected})")
+            try:
+                request_id, _ = self.store.add_future(kind, dedup_key, model_id, session_id)
+            except sa.exc.IntegrityError:  # the same dedup_key raced in from another thread
+                return self.store.future_by_key(dedup_key)
+            self.scheduler.add(Op(request_id, kind, payload, model_id, seq_id, session_id, size))
+            self.count(f"submitted_{kind}")
+            self.cond.notify_all()
+        return request_id
+
+    def watch(self, request_id: str, callback: Callable[[], None]) -> None:
+        with self.cond:
+            self.watchers.setdefault(request_id, []).append(callback)
+
+    def unwatch(self, request_id: str, callback: Callable[[], None]) -> None:
+        with self.cond:
+            callbacks = self.watchers.get(request_id, [])
+            if callback in callbacks:
+                callbacks.remove(callback)
+            if not callbacks:
+                self.watchers.pop(request_id, None)
+
+    def end_session(self, session_id: str) -> None:
+        with self.cond:
+            self._ending.add(session_id)
+            self.cond.notify_all()
+
+    # ---- the loop (engine thread) ----
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self.cond:
+                    while not self._stop and not self.scheduler.pending() and not self._ending:
+                        if not self.cond.wait(timeout=max(0.0, self._next_housekeeping - time.time()) or 1.0):
+                            break
+                    if self._stop:
+                        return
+                    window = self.config.batch_window_s if self.scheduler.has_ready_passes() else 0.0
+                if window:
+                    time.sleep(window)  # let other tenants' passes join this round
+                with self.cond:
+                    round_ = self.scheduler.next_round(time.time())
+                if not round_.empty():
+                    self._execute(round_)
+                self._housekeeping()
+        except self.fatal as e:
+            logger.error("engine stopping: %s", e)
+            with self.cond:
+                self.error = e
+            if self.on_fatal is not None:
+                self.on_fatal()
+
+    def _finish(self, results: list[tuple[str, str, Encoded]], model_updates: list[tuple[str, dict]] = ()) -> None:
+        rows = [(rid, status, ct, body) for rid, status, (ct, body) in results]
+        self.store.finish_futures(rows, model_updates)
+        with self.cond:
+            callbacks = [cb for rid, _, _ in results for cb in self.watchers.pop(rid, [])]
+        for cb in callbacks:
+            cb()
+        for _, status, _ in results:
+            self.count("requests_failed" if status == "failed" else "requests_done")
+
+    def _failure(self, e: Exception) -> Encoded:
+        if isinstance(e, self.fatal):
+            raise e
+        user = isinstance(e, (UserError, ValueError, storage.CheckpointNotFound, KeyError))
+        if not user:
+            logger.exception("request failed")
+        return error_payload(str(e) if user else f"{type(e).__name__}: {e}", "user" if user else "server")
+
+    def _execute(self, round_: Round) -> None:
+        for kind, ops in round_.passes.items():
+            if ops:
+                self._run_passes(kind, ops)
+        for op in round_.singles:
+            self._run_single(op)
+        if round_.samples:
+            self._run_samples(round_.samples)
+
+    def _run_passes(self, kind: str, ops: list[Op]) -> None:
+        """One backend call for the passes of every model in the round."""
+        batch = {k: [] for k in ("all_input_ids", "all_targets", "all_token_weights", "all_sampling_logprobs",
+                                 "all_advantages", "all_model_ids", "all_loss_fns", "all_loss_fn_configs")}
+        slices = []
+        for op in ops:
+            start = len(batch["all_input_ids"])
+            for d in op.payload.datums:
+                batch["all_input_ids"].append(d.input_ids)
+                batch["all_targets"].append(d.targets)
+                batch["all_token_weights"].append(d.weights)
+                batch["all_sampling_logprobs"].append(d.logprobs)
+                batch["all_advantages"].append(d.advantages)
+                batch["all_model_ids"].append(op.model_id)
+                batch["all_loss_fns"].append(op.payload.loss_fn)
+                batch["all_loss_fn_configs"].append(op.payload.loss_fn_config)
+            slices.append((op.request_id, op.model_id, start, len(batch["all_input_ids"])))
+        tenants = len({op.model_id for op in ops})
+        self.count(f"{kind}_calls")
+        if tenants > 1:
+            self.count(f"cross_tenant_{kind}_calls")
+        started = time.perf_counter()
+        try:
+            prepared = types.PreparedModelPassBatch(**batch, request_batch_slices=slices)
+            outputs = getattr(self.backend, kind)(prepared)
+        except Exception as e:  # noqa: BLE001 - every request of the call gets the error
+            payload = self._failure(e)
+            self._finish([(op.request_id, "failed", payload) for op in ops])
+            return
+        logger.info(json.dumps({"event": kind, "requests": len(ops), "tenants": tenants,
+                                "datums": len(batch["all_input_ids"]), "seconds": round(time.perf_counter() - started, 4)}))
+        results = []
+        for op in ops:
+            out = outputs[op.request_id]
+            if isinstance(out, types.ErrorResponse):
+                results.append((op.request_id, "failed", error_payload(out.error, "user")))
+            else:
+                results.append((op.request_id, "done", self.encode_pass(out)))
+        now = time.time()
+        self._finish(results, [(m, {"last_request_time": now}) for m in {op.model_id for op in ops}])
+
+    def _run_single(self, op: Op) -> None:
+        try:
+            result, updates = getattr(self, f"_do_{op.kind}")(op)
+        except Exception as e:  # noqa: BLE001 - reported on this request's future
+            updates = []
+            if op.kind in ("create_model", "create_from_state"):
+                updates = [(op.model_id, {"status": "failed"})]
+                with self.cond:
+                    self.scheduler.drop_model(op.model_id)
+            self._finish([(op.request_id, "failed", self._failure(e))], updates)
+            return
+        now = time.time()
+        self._finish([(op.request_id, "done", json_payload(result))],
+                     [(op.model_id, {"last_request_time": now, **u}) for u in updates] if op.model_id else [])
+
+    # ---- single ops: each returns (JSON result, [model row updates]) ----
+
+    def _do_create_model(self, op: Op):
+        self.backend.create_model(op.model_id, op.payload.lora_config)
+        return {"model_id": op.model_id, "type": "create_model"}, [{"status": "ready"}]
+
+    def _do_create_from_state(self, op: Op):
+        meta = self.backend.checkpoint_metadata(op.payload.location)
+        lora_config = types.LoraConfig(**meta["lora_config"])
+        self.backend.create_model(op.model_id, lora_config)
+        try:
+            self.backend.load_checkpoint(op.payload.location, op.model_id, load_optimizer=op.payload.optimizer)
+        except Exception:
+            self.backend.delete_model(op.model_id)
+            raise
+        return ({"model_id": op.model_id, "type": "load_weights"},
+                [{"status": "ready", "lora_config": lora_config.model_dump()}])
+
+    def _do_optim_step(self, op: Op):
+        out = self.backend.optim_step(op.model_id, types.OptimStepInput(adam_params=op.payload))
+        return {"metrics": finite_metrics(out.metrics)}, [{}]
+
+    def _do_save_weights(self, op: Op):
+        request: SaveRequest = op.payload
+        where = paths.location(self.config.checkpoint_root, op.model_id, "weights", request.name)
+        self.backend.save_checkpoint(where, op.model_id)
+        self._record_checkpoint(op.model_id, "weights", request, where)
+        return {"path": paths.tinker_path(op.model_id, "weights", request.name), "type": "save_weights"}, [{}]
+
+    def _do_save_weights_for_sampler(self, op: Op):
+        request: SaveRequest = op.payload
+        if request.name is None:  # an in-memory snapshot served by a new sampling session
+            where = paths.location(self.config.checkpoint_root, op.model_id, "sampler_weights",
+                                   f"ephemeral-{op.request_id}")
+            self.backend.save_sampler_checkpoint(where, op.model_id, persist=False)
+            self.store.add_sampling_session(request.sampling_session_id, op.session_id, self.base_model, None, where)
+            return {"sampling_session_id": request.sampling_session_id, "type": "save_weights_for_sampler"}, [{}]
+        where = paths.location(self.config.checkpoint_root, op.model_id, "sampler_weights", request.name)
+        self.backend.save_sampler_checkpoint(where, op.model_id, persist=True)
+        self._record_checkpoint(op.model_id, "sampler_weights", request, where)
+        return {"path": paths.tinker_path(op.model_id, "sampler_weights", request.name),
+                "type": "save_weights_for_sampler"}, [{}]
+
+    def _record_checkpoint(self, model_id: str, kind: str, request: SaveRequest, where: str) -> None:
+        expires = time.time() + request.ttl_seconds if request.ttl_seconds else None
+        self.store.put_checkpoint(model_id, kind, request.name, where, expires, _size_of(where), request.user_metadata)
+
+    def _do_rejected(self, op: Op):
+        raise UserError(op.payload)  # refused at submit; it still took its place in the model's order
+
+    def _do_load_weights(self, op: Op):
+        request: LoadRequest = op.payload
+        self.backend.load_checkpoint(request.location, op.model_id, load_optimizer=request.optimizer)
+        return {"model_id": op.model_id, "type": "load_weights"}, [{}]
+
+    def _do_unload_model(self, op: Op):
+        with self.cond:
+            dropped = self.scheduler.drop_model(op.model_id)
+        self._finish([(d.request_id, "failed", error_payload(f"model {op.model_id} was unloaded", "user"))
+                      for d in dropped])
+        if self.backend.has_model(op.model_id):
+            self.backend.delete_model(op.model_id)
+        return {"model_id": op.model_id, "type": "unload_model"}, [{"status": "unloaded"}]
+
+    # ---- sampling ----
+
+    def _run_samples(self, ops: list[Op]) -> None:
+        prompts, params, model_ids, locations, slices = [], [], [], [], []
+        for op in ops:
+            r = op.payload
+            start = len(prompts)
+            for _ in range(r.num_samples):
+                prompts.append(r.prompt)
+                params.append(r.params)
+                model_ids.append("")
+                locations.append(r.location)
+            slices.append((op.request_id, "", start, len(prompts), r.prompt_logprobs, r.topk_prompt_logprobs))
+        self.count("sample_calls")
+        if len({op.payload.location for op in ops}) > 1:
+            self.count("multi_adapter_sample_calls")
+        started = time.perf_counter()
+        try:
+            outputs = self.backend.sample(types.PreparedSampleBatch(
+                all_prompts=prompts, all_sampling_params=params, all_model_ids=model_ids,
+                all_checkpoint_ids=locations, all_checkpoint_paths=locations, request_batch_slices=slices))
+        except Exception as e:  # noqa: BLE001
+            payload = self._failure(e)
+            self._finish([(op.request_id, "failed", payload) for op in ops])
+            return
+        logger.info(json.dumps({"event": "sample", "requests": len(ops), "sequences": len(prompts),
+                                "seconds": round(time.perf_counter() - started, 4)}))
+        results = []
+        for op in ops:
+            out = outputs[op.request_id]
+            if isinstance(out, types.ErrorResponse):
+                results.append((op.request_id, "failed", error_payload(out.error, "user")))
+            else:
+                last_n = op.payload.prompt_logprobs_last_n
+                if last_n is not None and out.prompt_logprobs is not None:  # only the last N positions
+                    cut = len(out.prompt_logprobs) - last_n
+                    out.prompt_logprobs = [None] * cut + out.prompt_logprobs[cut:]
+                results.append((op.request_id, "done", self.encode_sample(out)))
+        self._finish(results)
+
+    # ---- housekeeping: expired sessions and checkpoints ----
+
+    def _housekeeping(self) -> None:
+        now = time.time()
+        with self.cond:
+            ending, self._ending = self._ending, set()
+        if not ending and now < self._next_housekeeping:
+            return
+        if now >= self._next_housekeeping:
+            self._next_housekeeping = now + min(5.0, self.config.session_timeout_s / 4)
+            for session_id in self.store.stale_sessions(now - self.config.session_timeout_s):
+                if self.store.end_session(session_id, "expired"):
+                    logger.info("session %s expired (no heartbeat for %.0f s)", session_id,
+                                self.config.session_timeout_s)
+                    ending.add(session_id)
+            for ckpt in self.store.expired_checkpoints(now):
+                self._delete_checkpoint_files(ckpt["location"])
+                self.store.delete_checkpoint(ckpt["model_id"], ckpt["kind"], ckpt["name"])
+        for session_id in ending:
+            models, _ = self.store.list_models(session_id=session_id)
+            for model in models:
+                if model["status"] in ("ready", "creating"):
+                    self._do_unload_model(Op("", "unload_model", None, model["model_id"]))
+                    self.store.update_model(model["model_id"], status="unloaded")
+                    logger.info("unloaded %s (session %s ended)", model["model_id"], session_id)
+
+    @staticmethod
+    def _delete_checkpoint_files(where: str) -> None:
+        try:
+            storage.remove(storage.as_path(where))
+        except OSError as e:
+            logger.warning("could not delete checkpoint files %s: %s", where, e)
+
+
+def _size_of(where: str) -> int | None:
+    path = storage.as_path(where)
+    try:
+        if path.is_dir():
+            return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+        return path.stat().st_size
+    except (OSError, AttributeError):
+        return None

@@ -1,0 +1,81 @@
+"""What the engine executes: one `Op` per accepted request, already decoded and validated for shape by
+the API layer, so the engine never sees wire formats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tx import types
+
+# Training ops sequenced per model by seq_id. A model's create (or create-from-state) is its seq 0.
+PASS_KINDS = ("forward_backward", "forward")
+MODEL_KINDS = ("create_model", "create_from_state", *PASS_KINDS, "optim_step", "save_weights",
+               "save_weights_for_sampler", "load_weights")
+
+
+class UserError(ValueError):
+    """A request that cannot run as asked: reported to that request's future with category 'user'."""
+
+
+@dataclass
+class Datum:
+    input_ids: list[int]
+    targets: list[int]
+    weights: list[float]
+    logprobs: list[float]
+    advantages: list[float]
+
+
+@dataclass
+class PassRequest:
+    datums: list[Datum]
+    loss_fn: str
+    loss_fn_config: dict[str, float] | None
+
+
+@dataclass
+class CreateRequest:
+    lora_config: types.LoraConfig
+
+
+@dataclass
+class CreateFromStateRequest:
+    location: str  # the training checkpoint to restore
+    optimizer: bool
+
+
+@dataclass
+class SaveRequest:
+    name: str | None  # None: an in-memory snapshot for a new sampling session
+    ttl_seconds: int | None = None
+    user_metadata: dict[str, Any] = field(default_factory=dict)
+    sampling_session_id: str | None = None
+
+
+@dataclass
+class LoadRequest:
+    location: str
+    optimizer: bool
+
+
+@dataclass
+class SampleRequest:
+    prompt: list[int]
+    params: types.SamplingParams
+    num_samples: int
+    prompt_logprobs: bool
+    topk_prompt_logprobs: int
+    prompt_logprobs_last_n: int | None
+    location: str  # sampler checkpoint to sample from; "" = the base model
+
+
+@dataclass
+class Op:
+    request_id: str
+    kind: str
+    payload: Any
+    model_id: str | None = None
+    seq_id: int | None = None
+    session_id: str | None = None
+    size: int = 1  # datums (passes) or sequences (samples): what round limits count

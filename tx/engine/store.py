@@ -1,0 +1,338 @@
+"""The service's durable state: sessions, models, futures, checkpoints and sampling sessions.
+
+SQLAlchemy Core over SQLite (default; a file under the data directory, WAL mode so the API's readers
+never wait on the engine's writer) or PostgreSQL (`--database-url postgresql+psycopg://...`). The schema
+carries a version row: a new database is created at the current version, an older one is migrated by
+the steps in `MIGRATIONS`, a newer one is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+SCHEMA_VERSION = 1
+
+metadata = sa.MetaData()
+
+schema_info = sa.Table("tx_schema", metadata, sa.Column("version", sa.Integer, nullable=False))
+
+sessions = sa.Table(
+    "sessions", metadata,
+    sa.Column("session_id", sa.String(64), primary_key=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("last_heartbeat", sa.Float, nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),  # active | finished | expired
+    sa.Column("tags", sa.JSON, nullable=False),
+    sa.Column("user_metadata", sa.JSON, nullable=False),
+    sa.Column("sdk_version", sa.String(64)),
+    sa.Column("display_name", sa.String(256)),
+)
+
+models = sa.Table(
+    "models", metadata,
+    sa.Column("model_id", sa.String(160), primary_key=True),
+    sa.Column("session_id", sa.String(64), nullable=False, index=True),
+    sa.Column("base_model", sa.String(512), nullable=False),
+    sa.Column("lora_config", sa.JSON, nullable=False),
+    sa.Column("user_metadata", sa.JSON, nullable=False),
+    # creating | ready | failed | unloaded; only `ready` models are in the backend
+    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("last_request_time", sa.Float, nullable=False),
+)
+
+futures = sa.Table(
+    "futures", metadata,
+    sa.Column("request_id", sa.String(64), primary_key=True),
+    sa.Column("kind", sa.String(32), nullable=False),
+    # identifies a submit so that retries map to the first future, e.g. "train:<model>:<seq>"
+    sa.Column("dedup_key", sa.String(256), unique=True),
+    sa.Column("model_id", sa.String(160), index=True),
+    sa.Column("session_id", sa.String(64), index=True),
+    sa.Column("status", sa.String(16), nullable=False),  # pending | done | failed
+    sa.Column("content_type", sa.String(64)),
+    sa.Column("result", sa.LargeBinary),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("finished_at", sa.Float),
+)
+
+checkpoints = sa.Table(
+    "checkpoints", metadata,
+    sa.Column("model_id", sa.String(160), primary_key=True),
+    sa.Column("kind", sa.String(32), primary_key=True),  # weights | sampler_weights
+    sa.Column("name", sa.String(256), primary_key=True),
+    sa.Column("location", sa.String(1024), nullable=False),  # where the files are (local path or URL)
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("expires_at", sa.Float),
+    sa.Column("size_bytes", sa.BigInteger),
+    sa.Column("user_metadata", sa.JSON, nullable=False),
+)
+
+sampling_sessions = sa.Table(
+    "sampling_sessions", metadata,
+    sa.Column("sampling_session_id", sa.String(160), primary_key=True),
+    sa.Column("session_id", sa.String(64), nullable=False, index=True),
+    sa.Column("base_model", sa.String(512), nullable=False),
+    sa.Column("model_path", sa.String(1024)),  # tinker:// path, None = the base model
+    sa.Column("location", sa.String(1024)),  # the sampler checkpoint the backend reads
+    sa.Column("created_at", sa.Float, nullable=False),
+)
+
+# version -> function upgrading a database from `version` to `version + 1`
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
+
+
+class SchemaError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class FutureRow:
+    request_id: str
+    kind: str
+    model_id: str | None
+    status: str
+    content_type: str | None
+    result: bytes | None
+
+
+def database_url(data_dir: Path, url: str | None) -> str:
+    if url:
+        return url
+    data_dir.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{data_dir / 'tx.sqlite'}"
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")  # readers do not block the writer and vice versa
+    cursor.execute("PRAGMA synchronous=NORMAL")  # durable at checkpoints; WAL keeps the file consistent
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.close()
+
+
+class Store:
+    def __init__(self, url: str):
+        self.url = url
+        kwargs: dict[str, Any] = {"future": True}
+        if url.startswith("sqlite"):
+            kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
+        else:
+            kwargs["pool_pre_ping"] = True
+        self.engine: Engine = sa.create_engine(url, **kwargs)
+        if url.startswith("sqlite"):
+            sa.event.listen(self.engine, "connect", _sqlite_pragmas)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        with self.engine.begin() as conn:
+            metadata.create_all(conn, checkfirst=True)
+            version = conn.execute(sa.select(schema_info.c.version)).scalar()
+            if version is None:
+                conn.execute(schema_info.insert().values(version=SCHEMA_VERSION))
+                return
+            if version > SCHEMA_VERSION:
+                raise SchemaError(f"database {self.url} has schema version {version}; this tx knows up to "
+                                  f"{SCHEMA_VERSION}: upgrade tx or point --database-url elsewhere")
+            while version < SCHEMA_VERSION:
+                MIGRATIONS[version](conn)
+                version += 1
+                conn.execute(schema_info.update().values(version=version))
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # ---- sessions ----
+
+    def create_session(self, tags: list[str], user_metadata: dict, sdk_version: str | None,
+                       display_name: str | None) -> str:
+        session_id = f"sess-{uuid.uuid4().hex[:16]}"
+        now = time.time()
+        with self.engine.begin() as conn:
+            conn.execute(sessions.insert().values(
+                session_id=session_id, created_at=now, last_heartbeat=now, status="active", tags=tags,
+                user_metadata=user_metadata, sdk_version=sdk_version, display_name=display_name))
+        return session_id
+
+    def session(self, session_id: str) -> dict | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(sessions.select().where(sessions.c.session_id == session_id)).mappings().first()
+        return dict(row) if row else None
+
+    def list_sessions(self, limit: int, offset: int) -> list[str]:
+        with self.engine.connect() as conn:
+            q = sa.select(sessions.c.session_id).order_by(sessions.c.created_at.desc()).limit(limit).offset(offset)
+            return list(conn.execute(q).scalars())
+
+    def heartbeat(self, session_id: str) -> str | None:
+        """Refresh an active session; returns its status (None when unknown)."""
+        with self.engine.begin() as conn:
+            status = conn.execute(sa.select(sessions.c.status).where(sessions.c.session_id == session_id)).scalar()
+            if status == "active":
+                conn.execute(sessions.update().where(sessions.c.session_id == session_id)
+                             .values(last_heartbeat=time.time()))
+        return status
+
+    def end_session(self, session_id: str, status: str) -> bool:
+        """Finish or expire an active session (first wins). True if this call ended it."""
+        with self.engine.begin() as conn:
+            done = conn.execute(sessions.update().where(sessions.c.session_id == session_id,
+                                                        sessions.c.status == "active").values(status=status))
+        return done.rowcount == 1
+
+    def stale_sessions(self, older_than: float) -> list[str]:
+        with self.engine.connect() as conn:
+            q = sa.select(sessions.c.session_id).where(sessions.c.status == "active",
+                                                        sessions.c.last_heartbeat < older_than)
+            return list(conn.execute(q).scalars())
+
+    # ---- models ----
+
+    def add_model(self, model_id: str, session_id: str, base_model: str, lora_config: dict,
+                  user_metadata: dict) -> None:
+        now = time.time()
+        with self.engine.begin() as conn:
+            conn.execute(models.insert().values(
+                model_id=model_id, session_id=session_id, base_model=base_model, lora_config=lora_config,
+                user_metadata=user_metadata, status="creating", created_at=now, last_request_time=now))
+
+    def model(self, model_id: str) -> dict | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(models.select().where(models.c.model_id == model_id)).mappings().first()
+        return dict(row) if row else None
+
+    def list_models(self, limit: int = 1000, offset: int = 0, session_id: str | None = None) -> tuple[list[dict], int]:
+        with self.engine.connect() as conn:
+            where = [] if session_id is None else [models.c.session_id == session_id]
+            total = conn.execute(sa.select(sa.func.count()).select_from(models).where(*where)).scalar()
+            q = models.select().where(*where).order_by(models.c.created_at.desc()).limit(limit).offset(offset)
+            return [dict(r) for r in conn.execute(q).mappings()], total
+
+    def update_model(self, model_id: str, **values) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(models.update().where(models.c.model_id == model_id).values(**values))
+
+    def models_in_status(self, *statuses: str) -> list[str]:
+        with self.engine.connect() as conn:
+            return list(conn.execute(sa.select(models.c.model_id).where(models.c.status.in_(statuses))).scalars())
+
+    # ---- futures ----
+
+    def add_future(self, kind: str, dedup_key: str | None, model_id: str | None = None,
+                   session_id: str | None = None) -> tuple[str, bool]:
+        """A new pending future, or (when `dedup_key` was seen before) the original one: (id, created)."""
+        request_id = f"req-{uuid.uuid4().hex}"
+        with self.engine.begin() as conn:
+            if dedup_key is not None:
+                found = conn.execute(sa.select(futures.c.request_id).where(futures.c.dedup_key == dedup_key)).scalar()
+                if found is not None:
+                    return found, False
+            conn.execute(futures.insert().values(
+                request_id=request_id, kind=kind, dedup_key=dedup_key, model_id=model_id, session_id=session_id,
+                status="pending", created_at=time.time()))
+        return request_id, True
+
+    def future(self, request_id: str) -> FutureRow | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(futures.select().where(futures.c.request_id == request_id)).mappings().first()
+        if row is None:
+            return None
+        return FutureRow(row["request_id"], row["kind"], row["model_id"], row["status"], row["content_type"],
+                         row["result"])
+
+    def future_by_key(self, dedup_key: str) -> str | None:
+        with self.engine.connect() as conn:
+            return conn.execute(sa.select(futures.c.request_id).where(futures.c.dedup_key == dedup_key)).scalar()
+
+    def finish_futures(self, results: Iterable[tuple[str, str, str, bytes]],
+                       model_updates: Iterable[tuple[str, dict]] = ()) -> None:
+        """Write (request_id, status, content_type, payload) results and model changes in one transaction."""
+        now = time.time()
+        with self.engine.begin() as conn:
+            for request_id, status, content_type, payload in results:
+                conn.execute(futures.update().where(futures.c.request_id == request_id).values(
+                    status=status, content_type=content_type, result=payload, finished_at=now))
+            for model_id, values in model_updates:
+                conn.execute(models.update().where(models.c.model_id == model_id).values(**values))
+
+    def fail_pending(self, message: str) -> int:
+        """At start-up: requests accepted by a previous server that never ran cannot run now."""
+        payload = json.dumps({"error": message, "category": "server"}).encode()
+        with self.engine.begin() as conn:
+            done = conn.execute(futures.update().where(futures.c.status == "pending").values(
+                status="failed", content_type="application/json", result=payload, finished_at=time.time()))
+        return done.rowcount
+
+    # ---- checkpoints ----
+
+    def put_checkpoint(self, model_id: str, kind: str, name: str, location: str, expires_at: float | None,
+                       size_bytes: int | None, user_metadata: dict) -> None:
+        with self.engine.begin() as conn:
+            key = (checkpoints.c.model_id == model_id, checkpoints.c.kind == kind, checkpoints.c.name == name)
+            conn.execute(checkpoints.delete().where(*key))
+            conn.execute(checkpoints.insert().values(
+                model_id=model_id, kind=kind, name=name, location=location, created_at=time.time(),
+                expires_at=expires_at, size_bytes=size_bytes, user_metadata=user_metadata))
+
+    def checkpoint(self, model_id: str, kind: str, name: str) -> dict | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(checkpoints.select().where(
+                checkpoints.c.model_id == model_id, checkpoints.c.kind == kind, checkpoints.c.name == name,
+            )).mappings().first()
+        return dict(row) if row else None
+
+    def list_checkpoints(self, model_id: str | None = None, limit: int = 1000, offset: int = 0) -> tuple[list[dict], int]:
+        where = [] if model_id is None else [checkpoints.c.model_id == model_id]
+        with self.engine.connect() as conn:
+            total = conn.execute(sa.select(sa.func.count()).select_from(checkpoints).where(*where)).scalar()
+            q = checkpoints.select().where(*where).order_by(checkpoints.c.created_at.desc()).limit(limit).offset(offset)
+            return [dict(r) for r in conn.execute(q).mappings()], total
+
+    def delete_checkpoint(self, model_id: str, kind: str, name: str) -> bool:
+        with self.engine.begin() as conn:
+            done = conn.execute(checkpoints.delete().where(
+                checkpoints.c.model_id == model_id, checkpoints.c.kind == kind, checkpoints.c.name == name))
+        return done.rowcount == 1
+
+    def set_checkpoint_expiry(self, model_id: str, kind: str, name: str, expires_at: float | None) -> bool:
+        with self.engine.begin() as conn:
+            done = conn.execute(checkpoints.update().where(
+                checkpoints.c.model_id == model_id, checkpoints.c.kind == kind, checkpoints.c.name == name,
+            ).values(expires_at=expires_at))
+        return done.rowcount == 1
+
+    def expired_checkpoints(self, now: float) -> list[dict]:
+        with self.engine.connect() as conn:
+            q = checkpoints.select().where(checkpoints.c.expires_at.is_not(None), checkpoints.c.expires_at < now)
+            return [dict(r) for r in conn.execute(q).mappings()]
+
+    # ---- sampling sessions ----
+
+    def add_sampling_session(self, sampling_session_id: str, session_id: str, base_model: str,
+                             model_path: str | None, location: str | None) -> None:
+        with self.engine.begin() as conn:
+            exists = conn.execute(sa.select(sampling_sessions.c.sampling_session_id).where(
+                sampling_sessions.c.sampling_session_id == sampling_session_id)).scalar()
+            if exists is None:
+                conn.execute(sampling_sessions.insert().values(
+                    sampling_session_id=sampling_session_id, session_id=session_id, base_model=base_model,
+                    model_path=model_path, location=location, created_at=time.time()))
+
+    def sampling_session(self, sampling_session_id: str) -> dict | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(sampling_sessions.select().where(
+                sampling_sessions.c.sampling_session_id == sampling_session_id)).mappings().first()
+        return dict(row) if row else None
+
+    def sampling_session_ids(self, session_id: str) -> list[str]:
+        with self.engine.connect() as conn:
+            return list(conn.execute(sa.select(sampling_sessions.c.sampling_session_id).where(
+                sampling_sessions.c.session_id == session_id)).scalars())
