@@ -88,6 +88,8 @@ def postgres_server(tmp_dir: Path) -> Iterator[str]:
         _allow_traverse(bin_dir)
 
     def pg(*args: str) -> subprocess.CompletedProcess[str]:
+        if run_as:  # something (pytest's tmp-dir handling in another process) may reset the modes meanwhile
+            _allow_traverse(root)
         # cwd=root: the dropped user may not be able to stat the caller's cwd.
         return subprocess.run([str(bin_dir / args[0]), *args[1:]], cwd=root, capture_output=True, text=True, **run_as)
 

@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     config = backend_config(args, parser)
     service = service_configs(args, parser)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s")
+                        format="%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s", force=True)
     initialize_distributed(args)
 
     import jax

@@ -11,7 +11,8 @@ import asyncio
 import datetime as dt
 import json
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import zstandard
 from fastapi import FastAPI, Request
@@ -23,7 +24,14 @@ from tx import losses, types
 from tx.api import schemas, wire
 from tx.engine import paths
 from tx.engine.engine import Engine
-from tx.engine.ops import CreateFromStateRequest, CreateRequest, LoadRequest, SaveRequest, SampleRequest, UserError
+from tx.engine.ops import (
+    CreateFromStateRequest,
+    CreateRequest,
+    LoadRequest,
+    SampleRequest,
+    SaveRequest,
+    UserError,
+)
 from tx.engine.store import Store
 
 logger = logging.getLogger(__name__)
@@ -57,7 +65,7 @@ class ApiError(Exception):
 
 
 def _iso(ts: float | None) -> str | None:
-    return None if ts is None else dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat()
+    return None if ts is None else dt.datetime.fromtimestamp(ts, dt.UTC).isoformat()
 
 
 def _str_metadata(meta: dict | None) -> dict[str, str]:
@@ -453,7 +461,7 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
                 if row.status == "pending":
                     try:
                         await asyncio.wait_for(ready.wait(), config.long_poll_s)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
                     row = await io(store.future, body.request_id)
             finally:

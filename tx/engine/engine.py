@@ -12,7 +12,8 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import sqlalchemy as sa
 from pydantic import BaseModel, Field
@@ -20,7 +21,7 @@ from pydantic import BaseModel, Field
 from tx import types
 from tx.checkpoints import storage
 from tx.engine import paths
-from tx.engine.ops import PASS_KINDS, LoadRequest, Op, SaveRequest, UserError
+from tx.engine.ops import LoadRequest, Op, SaveRequest, UserError
 from tx.engine.scheduler import Round, Scheduler
 from tx.engine.store import Store
 
