@@ -91,7 +91,8 @@ class Engine:
         with self.cond:
             self._stop = True
             self.cond.notify_all()
-        self._thread.join(timeout=60)
+        if self._thread.is_alive():
+            self._thread.join(timeout=60)
 
     def count(self, name: str, n: int = 1) -> None:
         self.metrics[name] = self.metrics.get(name, 0) + n
@@ -144,9 +145,10 @@ class Engine:
         try:
             while True:
                 with self.cond:
-                    while not self._stop and not self.scheduler.pending() and not self._ending:
-                        if not self.cond.wait(timeout=max(0.0, self._next_housekeeping - time.time()) or 1.0):
-                            break
+                    while not self._stop and not self._ending and not self.scheduler.pending(time.time()):
+                        wake = min(self._next_housekeeping, self.scheduler.next_deadline() or math.inf)
+                        if not self.cond.wait(timeout=min(max(0.01, wake - time.time()), 5.0)):
+                            break  # housekeeping or a seq_id gap is due
                     if self._stop:
                         return
                     window = self.config.batch_window_s if self.scheduler.has_ready_passes() else 0.0

@@ -9,8 +9,8 @@ from tx.checkpoints import storage
 from tx.engine.ops import UserError
 
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
-_MODEL_ID = re.compile(r"^[A-Za-z0-9_\-]{1,64}:train:[0-9]{1,9}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,127}")
+_MODEL_ID = re.compile(r"[A-Za-z0-9_\-]{1,64}:train:[0-9]{1,9}")
 
 
 def model_id_of(session_id: str, model_seq_id: int) -> str:
@@ -23,7 +23,7 @@ def sampling_session_id_of(session_id: str, sampling_session_seq_id: int) -> str
 
 def check_name(name: str, field: str = "path") -> str:
     """Checkpoint names become file names: letters, digits, '.', '_', '-' only (no '/', no '..')."""
-    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
         raise UserError(f"{field} {name!r} is not a valid checkpoint name: use 1-128 of [A-Za-z0-9._-], "
                         "starting with a letter or digit, without '..'")
     return name
@@ -41,7 +41,7 @@ def parse_tinker_path(path: str, field: str = "path") -> tuple[str, str, str]:
     if len(parts) != 3:
         raise UserError(f"{field} {path!r} must be tinker://<model_id>/<weights|sampler_weights>/<name>")
     model_id, kind, name = parts
-    if not _MODEL_ID.match(model_id):
+    if not _MODEL_ID.fullmatch(model_id):
         raise UserError(f"{field} {path!r}: {model_id!r} is not a model id of this server")
     if kind not in KINDS:
         raise UserError(f"{field} {path!r}: kind {kind!r} must be one of {sorted(KINDS)}")

@@ -43,6 +43,7 @@ class Scheduler:
         self.models: dict[str, _ModelQueue] = {}
         self.samples: list[Op] = []
         self.controls: list[Op] = []
+        self._turn = 0
 
     def expected_seq(self, model_id: str) -> int | None:
         queue = self.models.get(model_id)
@@ -63,18 +64,31 @@ class Scheduler:
         queue = self.models.pop(model_id, None)
         return [] if queue is None else list(queue.waiting.values())
 
-    def pending(self) -> bool:
-        return bool(self.samples or self.controls) or any(q.waiting for q in self.models.values())
+    def pending(self, now: float) -> bool:
+        """Whether a round now would run something (a model waiting on a missing seq_id is not work
+        until its gap times out)."""
+        if self.samples or self.controls:
+            return True
+        return any(q.next_seq in q.waiting or (q.blocked_since is not None and now - q.blocked_since >= self.seq_gap_timeout_s)
+                   for q in self.models.values() if q.waiting)
+
+    def next_deadline(self) -> float | None:
+        """When the earliest seq_id gap times out (None: no model is blocked)."""
+        times = [q.blocked_since + self.seq_gap_timeout_s for q in self.models.values()
+                 if q.waiting and q.blocked_since is not None]
+        return min(times, default=None)
 
     def has_ready_passes(self) -> bool:
         return any(q.waiting.get(q.next_seq) is not None and q.waiting[q.next_seq].kind in PASS_KINDS
                    for q in self.models.values())
 
     def next_round(self, now: float) -> Round:
-        out = Round(singles=self.controls)
-        self.controls = []
+        out = Round()
         datums = {k: 0 for k in PASS_KINDS}
-        for model_id, queue in self.models.items():
+        # start at a different model each round so that no tenant can keep others out of a full round
+        order = list(self.models.items())
+        self._turn = (self._turn + 1) % max(1, len(order))
+        for model_id, queue in order[self._turn:] + order[:self._turn]:
             self._skip_gap(model_id, queue, now)
             head = queue.waiting.get(queue.next_seq)
             if head is None:
@@ -89,6 +103,8 @@ class Scheduler:
                 out.passes[head.kind].append(queue.waiting.pop(queue.next_seq))
                 datums[head.kind] += op.size
                 queue.next_seq += 1
+        out.singles += self.controls  # after the model's own ops taken above (unload comes last)
+        self.controls = []
         taken = 0
         while self.samples and (not out.samples or taken + self.samples[0].size <= self.max_samples):
             op = self.samples.pop(0)

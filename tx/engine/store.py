@@ -113,6 +113,8 @@ def database_url(data_dir: Path, url: str | None) -> str:
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:
+    # pysqlite commits before DDL on its own; take over transactions so a migration is all or nothing
+    dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")  # readers do not block the writer and vice versa
     cursor.execute("PRAGMA synchronous=NORMAL")  # durable at checkpoints; WAL keeps the file consistent
@@ -131,7 +133,12 @@ class Store:
         self.engine: Engine = sa.create_engine(url, **kwargs)
         if url.startswith("sqlite"):
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
-        self._migrate()
+            sa.event.listen(self.engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN"))
+        try:
+            self._migrate()
+        except BaseException:
+            self.engine.dispose()
+            raise
 
     def _migrate(self) -> None:
         with self.engine.begin() as conn:

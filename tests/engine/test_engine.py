@@ -1,0 +1,148 @@
+"""The engine thread with a stand-in backend and a real SQLite store: it sleeps while the only queued
+work waits on a missing seq_id (no busy loop) and skips the gap after seq_gap_timeout_s; refused
+requests keep their place; sessions without heartbeat expire and their models are unloaded; a restart
+fails what never ran and keeps what did."""
+
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from tx import types
+from tx.engine.engine import Engine, EngineConfig
+from tx.engine.ops import CreateRequest, UserError
+from tx.engine.store import Store, sessions
+
+MODEL = "sess-a:train:0"
+
+
+class FakeBackend:
+    def __init__(self):
+        self.models: set[str] = set()
+        self.steps: list[str] = []
+
+    def create_model(self, model_id, lora_config):
+        self.models.add(model_id)
+
+    def has_model(self, model_id):
+        return model_id in self.models
+
+    def delete_model(self, model_id):
+        self.models.discard(model_id)
+
+    def optim_step(self, model_id, request):
+        self.steps.append(model_id)
+        return SimpleNamespace(metrics={"lr": 1e-4})
+
+
+def no_encoder(_output):
+    raise AssertionError("no pass or sample runs here")
+
+
+@pytest.fixture
+def make_engine(tmp_path):
+    made = []
+
+    def make(seq_gap_timeout_s: float = 60.0, session_timeout_s: float = 600.0) -> Engine:
+        store = Store(f"sqlite:///{tmp_path / 'tx.sqlite'}")
+        config = EngineConfig(checkpoint_root=str(tmp_path / "ck"), seq_gap_timeout_s=seq_gap_timeout_s,
+                              session_timeout_s=session_timeout_s)
+        eng = Engine(FakeBackend(), store, config, "base", no_encoder, no_encoder)
+        eng.rounds = []  # the `now` of every next_round call
+        next_round = eng.scheduler.next_round
+        eng.scheduler.next_round = lambda now: (eng.rounds.append(now), next_round(now))[1]
+        made.append(eng)
+        eng.start()
+        if store.session("sess-a") is None:
+            with store.engine.begin() as conn:  # a session with a known id (create_session draws one)
+                conn.execute(sessions.insert().values(session_id="sess-a", created_at=time.time(),
+                                                      last_heartbeat=time.time(), status="active", tags=[],
+                                                      user_metadata={}))
+        store.add_model(MODEL, "sess-a", "base", {}, {})
+        create = eng.submit("create_model", CreateRequest(None), "create:sess-a:0", MODEL, 0, "sess-a")
+        assert wait_for(lambda: store.future(create).status != "pending", 10.0)
+        assert store.future(create).status == "done"
+        return eng
+
+    yield make
+    for eng in made:
+        eng.stop()
+        eng.store.close()
+
+
+def wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_engine_sleeps_while_a_seq_gap_blocks(make_engine):
+    engine = make_engine(seq_gap_timeout_s=60.0)
+    engine.submit("optim_step", types.AdamParams(), "train:a:2", MODEL, 2, "sess-a")  # seq 1 never comes
+    time.sleep(0.1)
+    before = len(engine.rounds)
+    time.sleep(0.5)
+    idle_rounds = len(engine.rounds) - before
+    engine.stop()  # stop spinning before the report
+    # A sleeping engine wakes for housekeeping (every few seconds) or a new request: a handful at most.
+    assert idle_rounds <= 10, f"engine ran {idle_rounds} empty rounds in 0.5 s while seq 1 was missing"
+    assert engine.backend.steps == []
+
+
+def test_engine_skips_a_seq_gap_after_the_timeout(make_engine):
+    engine = make_engine(seq_gap_timeout_s=0.3)
+    submitted = time.monotonic()
+    step = engine.submit("optim_step", types.AdamParams(), "train:a:2", MODEL, 2, "sess-a")  # seq 1 never comes
+    assert wait_for(lambda: engine.store.future(step).status != "pending", 10.0)
+    waited = time.monotonic() - submitted
+    assert engine.store.future(step).status == "done"
+    assert engine.backend.steps == [MODEL]
+    assert waited >= 0.3
+    assert engine.scheduler.expected_seq(MODEL) == 3
+
+
+def test_refused_request_keeps_its_place(make_engine):
+    engine = make_engine()
+    refused = engine.submit("rejected", "loss_fn 'x' is not supported", "train:a:1", MODEL, 1, "sess-a")
+    step = engine.submit("optim_step", types.AdamParams(), "train:a:2", MODEL, 2, "sess-a")
+    assert wait_for(lambda: engine.store.future(step).status != "pending", 5.0)
+    failed = engine.store.future(refused)
+    assert failed.status == "failed" and json.loads(failed.result) == {"error": "loss_fn 'x' is not supported",
+                                                                       "category": "user"}
+    assert engine.store.future(step).status == "done" and engine.backend.steps == [MODEL]
+    # a retry of a refused or finished seq_id returns its future; an older unknown one is refused
+    assert engine.submit("optim_step", types.AdamParams(), "train:a:2", MODEL, 2, "sess-a") == step
+    with pytest.raises(UserError, match="already passed"):
+        engine.submit("optim_step", types.AdamParams(), "train:a:0", MODEL, 0, "sess-a")
+
+
+def test_session_without_heartbeat_expires_and_unloads_its_models(make_engine):
+    engine = make_engine(session_timeout_s=0.5)
+    assert engine.backend.has_model(MODEL)
+    assert wait_for(lambda: not engine.backend.has_model(MODEL), 10.0)
+    assert engine.store.session("sess-a")["status"] == "expired"
+    assert engine.store.model(MODEL)["status"] == "unloaded"
+    with pytest.raises(UserError, match="not loaded"):
+        engine.submit("optim_step", types.AdamParams(), "train:a:1", MODEL, 1, "sess-a")
+
+
+def test_restart_fails_what_never_ran_and_keeps_results(make_engine, tmp_path):
+    engine = make_engine()
+    done = engine.submit("optim_step", types.AdamParams(), "train:a:1", MODEL, 1, "sess-a")
+    assert wait_for(lambda: engine.store.future(done).status == "done", 5.0)
+    stuck = engine.submit("optim_step", types.AdamParams(), "train:a:3", MODEL, 3, "sess-a")  # waits for seq 2
+    engine.stop()
+    store = Store(engine.store.url)
+    again = Engine(FakeBackend(), store, engine.config, "base", no_encoder, no_encoder)
+    assert json.loads(store.future(done).result) == {"metrics": {"lr": 1e-4}}
+    lost = store.future(stuck)
+    assert lost.status == "failed" and "restarted" in json.loads(lost.result)["error"]
+    assert store.model(MODEL)["status"] == "unloaded"
+    again.stop()
+    store.close()
