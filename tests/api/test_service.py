@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -14,6 +16,7 @@ from tinker.proto.response_conv import deserialize_forward_backward_output
 
 from tests.api import sdk_flows
 from tests.api.server_proc import API_KEY, Server
+from tests.distributed import test_multihost as multihost
 from tests.pg_server import PostgresUnavailable, postgres_server
 
 pytestmark = pytest.mark.slow
@@ -202,3 +205,37 @@ def test_postgres_same_flow_and_restart(tmp_path):
             srv.stop()
     finally:
         ctx.__exit__(None, None, None)
+
+
+def short_run(url: str) -> tuple[np.ndarray, list[int]]:
+    tc = sdk_flows.service(url).create_lora_training_client(base_model="tiny", rank=8, seed=11).result()
+    sdk_flows.train_steps(tc, sdk_flows.datums(11), 3)
+    lp = sdk_flows.logprobs_of(tc.forward(sdk_flows.datums(11), "cross_entropy").result())
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    tokens = sampler.sample(tinker.types.ModelInput.from_ints([5, 6, 7, 8]), 1,
+                            tinker.types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])).result()
+    return lp, tokens.sequences[0].tokens
+
+
+def test_multihost_service_equals_one_process(server, tmp_path):
+    """Process 0 serves, process 1 runs the worker loop: a (2, 2, 2) mesh over 2 x 4 CPU devices."""
+    port = multihost._ports()
+    coordinator = f"127.0.0.1:{port}"
+    procs = ["--coordinator-address", coordinator, "--num-processes", "2"]
+    with open(tmp_path / "worker.log", "w") as log:
+        worker = subprocess.Popen([sys.executable, "-m", "tx.run", *procs, "--process-id", "1"],
+                                  env=multihost._env(4), cwd=multihost.ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            srv = Server(tmp_path / "data", *procs, "--process-id", "0", "--fully-sharded-data-parallel-size", "2",
+                         "--tensor-parallel-size", "2", "--expert-parallel-size", "2", devices=4)
+            try:
+                multi = short_run(srv.url)
+            finally:
+                assert srv.stop() == 143
+            assert worker.wait(timeout=60) == 0  # process 0's shutdown stops the worker
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+    single = short_run(server.url)
+    np.testing.assert_allclose(multi[0], single[0], atol=2e-5)
+    assert multi[1] == single[1]
