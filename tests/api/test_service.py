@@ -116,6 +116,11 @@ def test_out_of_order_and_retried_seq_ids_run_once_in_order(server):
     assert got[2].metrics["loss:sum"] < got[0].metrics["loss:sum"]  # the forward saw the optim_step
     # (model_id, seq_id) identifies a request: a late retry of seq 1 gets its original future back
     assert server.post("/api/v1/optim_step", json={"model_id": model, "seq_id": 1, **optim}).json()["request_id"] == first
+    # unloading frees the model's slot; its later requests are refused
+    unload = server.post("/api/v1/unload_model", json={"model_id": model}).json()["request_id"]
+    assert wait(server, unload) == {"model_id": model, "type": "unload_model"}
+    r = server.post("/api/v1/optim_step", json={"model_id": model, "seq_id": 4, **optim})
+    assert r.status_code == 400 and "unloaded" in r.json()["detail"]
 
 
 def test_bad_requests_get_json_errors_and_server_keeps_serving(server, flow):

@@ -146,3 +146,16 @@ def test_restart_fails_what_never_ran_and_keeps_results(make_engine, tmp_path):
     assert store.model(MODEL)["status"] == "unloaded"
     again.stop()
     store.close()
+
+
+def test_expired_checkpoints_are_deleted_with_their_files(make_engine, tmp_path):
+    engine = make_engine(session_timeout_s=0.2)  # housekeeping runs every session_timeout_s / 4
+    old, kept = tmp_path / "old.tar.gz", tmp_path / "kept"
+    old.write_bytes(b"x")
+    kept.mkdir()
+    (kept / "state").write_bytes(b"y")
+    engine.store.put_checkpoint(MODEL, "sampler_weights", "old", str(old), time.time() - 1, 1, {})
+    engine.store.put_checkpoint(MODEL, "weights", "kept", str(kept), None, 1, {})
+    assert wait_for(lambda: engine.store.checkpoint(MODEL, "sampler_weights", "old") is None, 10.0)
+    assert not old.exists()
+    assert engine.store.checkpoint(MODEL, "weights", "kept") is not None and (kept / "state").exists()

@@ -156,9 +156,15 @@ class Engine:
                     time.sleep(window)  # let other tenants' passes join this round
                 with self.cond:
                     round_ = self.scheduler.next_round(time.time())
-                if not round_.empty():
-                    self._execute(round_)
-                self._housekeeping()
+                try:
+                    if not round_.empty():
+                        self._execute(round_)
+                    self._housekeeping()
+                except self.fatal:
+                    raise
+                except Exception:  # noqa: BLE001 - e.g. the database went away: keep serving what can be
+                    logger.exception("engine round failed")
+                    time.sleep(1.0)
         except self.fatal as e:
             logger.error("engine stopping: %s", e)
             with self.cond:
@@ -214,25 +220,33 @@ class Engine:
         self.count(f"{kind}_calls")
         if tenants > 1:
             self.count(f"cross_tenant_{kind}_calls")
+        results = self._batch_call(
+            kind, ops, lambda: getattr(self.backend, kind)(types.PreparedModelPassBatch(**batch, request_batch_slices=slices)),
+            lambda _op, out: self.encode_pass(out), tenants=tenants, datums=len(batch["all_input_ids"]))
+        if results is not None:
+            now = time.time()
+            self._finish(results, [(m, {"last_request_time": now}) for m in {op.model_id for op in ops}])
+
+    def _batch_call(self, event: str, ops: list[Op], call: Callable[[], dict], encode: Callable[[Op, Any], Encoded],
+                    **fields) -> list[tuple[str, str, Encoded]] | None:
+        """Run one backend call for `ops`; their results (or, when the call raised, nothing: all failed)."""
         started = time.perf_counter()
         try:
-            prepared = types.PreparedModelPassBatch(**batch, request_batch_slices=slices)
-            outputs = getattr(self.backend, kind)(prepared)
+            outputs = call()
         except Exception as e:  # noqa: BLE001 - every request of the call gets the error
             payload = self._failure(e)
             self._finish([(op.request_id, "failed", payload) for op in ops])
-            return
-        logger.info(json.dumps({"event": kind, "requests": len(ops), "tenants": tenants,
-                                "datums": len(batch["all_input_ids"]), "seconds": round(time.perf_counter() - started, 4)}))
+            return None
+        logger.info(json.dumps({"event": event, "requests": len(ops), **fields,
+                                "seconds": round(time.perf_counter() - started, 4)}))
         results = []
         for op in ops:
             out = outputs[op.request_id]
             if isinstance(out, types.ErrorResponse):
                 results.append((op.request_id, "failed", error_payload(out.error, "user")))
             else:
-                results.append((op.request_id, "done", self.encode_pass(out)))
-        now = time.time()
-        self._finish(results, [(m, {"last_request_time": now}) for m in {op.model_id for op in ops}])
+                results.append((op.request_id, "done", encode(op, out)))
+        return results
 
     def _run_single(self, op: Op) -> None:
         try:
@@ -329,29 +343,13 @@ class Engine:
         self.count("sample_calls")
         if len({op.payload.location for op in ops}) > 1:
             self.count("multi_adapter_sample_calls")
-        started = time.perf_counter()
-        try:
-            outputs = self.backend.sample(types.PreparedSampleBatch(
-                all_prompts=prompts, all_sampling_params=params, all_model_ids=model_ids,
-                all_checkpoint_ids=locations, all_checkpoint_paths=locations, request_batch_slices=slices))
-        except Exception as e:  # noqa: BLE001
-            payload = self._failure(e)
-            self._finish([(op.request_id, "failed", payload) for op in ops])
-            return
-        logger.info(json.dumps({"event": "sample", "requests": len(ops), "sequences": len(prompts),
-                                "seconds": round(time.perf_counter() - started, 4)}))
-        results = []
-        for op in ops:
-            out = outputs[op.request_id]
-            if isinstance(out, types.ErrorResponse):
-                results.append((op.request_id, "failed", error_payload(out.error, "user")))
-            else:
-                last_n = op.payload.prompt_logprobs_last_n
-                if last_n is not None and out.prompt_logprobs is not None:  # only the last N positions
-                    cut = len(out.prompt_logprobs) - last_n
-                    out.prompt_logprobs = [None] * cut + out.prompt_logprobs[cut:]
-                results.append((op.request_id, "done", self.encode_sample(out)))
-        self._finish(results)
+        results = self._batch_call("sample", ops, lambda: self.backend.sample(types.PreparedSampleBatch(
+            all_prompts=prompts, all_sampling_params=params, all_model_ids=model_ids, all_checkpoint_ids=locations,
+            all_checkpoint_paths=locations, request_batch_slices=slices)),
+                                   lambda op, out: self.encode_sample(_last_n(out, op.payload.prompt_logprobs_last_n)),
+                                   sequences=len(prompts))
+        if results is not None:
+            self._finish(results)
 
     # ---- housekeeping: expired sessions and checkpoints ----
 
@@ -385,6 +383,14 @@ class Engine:
             storage.remove(storage.as_path(where))
         except OSError as e:
             logger.warning("could not delete checkpoint files %s: %s", where, e)
+
+
+def _last_n(out: types.SampleOutput, last_n: int | None) -> types.SampleOutput:
+    """Prompt log-probs of only the last `last_n` positions (the rest NaN on the wire), as asked."""
+    if last_n is not None and out.prompt_logprobs is not None:
+        cut = len(out.prompt_logprobs) - last_n
+        out.prompt_logprobs = [None] * cut + out.prompt_logprobs[cut:]
+    return out
 
 
 def _size_of(where: str) -> int | None:
