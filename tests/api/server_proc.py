@@ -31,7 +31,7 @@ class Server:
         env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
                "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
         cmd = [sys.executable, "-m", "tx.run", "--port", str(self.port), "--data-dir", str(data_dir),
-               "--api-key", API_KEY, "--max-lora-adapters", "8", "--max-lora-rank", "8", "--max-seq-len", "128",
+               "--api-key", API_KEY, "--max-lora-adapters", "24", "--max-lora-rank", "8", "--max-seq-len", "128",
                *(["--base-model", base_model] if base_model else []), *args]
         self._log = open(self.log_path, "w")  # a file, not a pipe: a full pipe would stall the server
         self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT)

@@ -160,31 +160,39 @@ def test_bad_requests_get_json_errors_and_server_keeps_serving(server, flow):
     assert np.isfinite(tc.forward(sdk_flows.datums(0), "cross_entropy").result().metrics["loss:sum"])
 
 
-def test_restart_keeps_results_and_checkpoints(server, data_dir, flow):
-    model = create_raw(server, seed=9)
-    tokens = np.random.default_rng(8).integers(0, 500, (2, 17))
-    done_id = proto_post(server, sdk_flows.fb_body(model, 1, tokens, forward_only=True)).json()["request_id"]
-    done = wait(server, done_id)
-    assert server.stop() == 143  # SIGTERM: clean shutdown, conventional status
-    again = Server(data_dir, *LIMITS)
+def test_restart_keeps_results_and_checkpoints(tmp_path):
+    """A server of its own (the module's keeps serving the other tests): work, stop, start on the same data."""
+    first = Server(tmp_path)
     try:
-        restored = wait(again, done_id)
-        assert restored.metrics == done.metrics
+        tc = sdk_flows.service(first.url).create_lora_training_client(base_model="tiny", rank=8, seed=13).result()
+        model_id = tc.get_info().model_id
+        sdk_flows.train_steps(tc, sdk_flows.datums(13), 2)
+        state = tc.save_state("r1").result().path
+        sampler_path = tc.save_weights_for_sampler("r1").result().path
+        lp = sdk_flows.logprobs_of(tc.forward(sdk_flows.datums(13), "cross_entropy").result())
+        tokens = np.random.default_rng(8).integers(0, 500, (2, 17))
+        done_id = proto_post(first, sdk_flows.fb_body(model_id, 8, tokens, forward_only=True)).json()["request_id"]
+        done = wait(first, done_id)
+    finally:
+        assert first.stop() == 143  # SIGTERM: clean shutdown, conventional status
+    again = Server(tmp_path)
+    try:
+        assert wait(again, done_id).metrics == done.metrics
         rest = tinker.RestClient(base_url=again.url, api_key=API_KEY)
-        listed = {c.tinker_path for c in rest.list_checkpoints(flow["model_id"]).result().checkpoints}
-        assert {flow["state"], flow["sampler"]} <= listed
-        # the old model is gone from the backend; a new one is restored from its saved state
-        r = again.post("/api/v1/optim_step", json={"model_id": model, "seq_id": 2, "adam_params": {}})
+        assert {c.tinker_path for c in rest.list_checkpoints(model_id).result().checkpoints} == {state, sampler_path}
+        run = rest.get_training_run(model_id).result()
+        assert run.training_run_id == model_id and run.lora_rank == 8
+        # the old model is no longer in the backend; a new one is restored from its saved state
+        r = again.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 9, "adam_params": {}})
         assert r.status_code == 400 and "unloaded" in r.json()["detail"]
         sc = sdk_flows.service(again.url)
-        tc = sc.create_training_client_from_state_with_optimizer(flow["state"]).result()
-        lp = sdk_flows.logprobs_of(tc.forward(sdk_flows.datums(0), "cross_entropy").result())
-        np.testing.assert_allclose(lp, flow["logprobs"], atol=1e-5)
-        sampler = sc.create_sampling_client(model_path=flow["sampler"]).result()
-        assert len(sampler.sample(tinker.types.ModelInput.from_ints([1, 2, 3]), 1,
-                                  tinker.types.SamplingParams(max_tokens=3)).result().sequences[0].tokens) >= 1
-        run = rest.get_training_run(flow["model_id"]).result()
-        assert run.training_run_id == flow["model_id"] and run.lora_rank == 8
+        restored = sc.create_training_client_from_state_with_optimizer(state).result()
+        np.testing.assert_allclose(sdk_flows.logprobs_of(restored.forward(sdk_flows.datums(13), "cross_entropy").result()),
+                                   lp, atol=1e-5)
+        sampler = sc.create_sampling_client(model_path=sampler_path).result()
+        out = sampler.sample(tinker.types.ModelInput.from_ints([1, 2, 3]), 1,
+                             tinker.types.SamplingParams(max_tokens=3, stop=[])).result()
+        assert len(out.sequences[0].tokens) == 3
     finally:
         again.stop()
 

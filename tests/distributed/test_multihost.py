@@ -148,7 +148,7 @@ def test_sigterm_on_process_zero_shuts_every_host_down(tiny_dirs, tmp_path):
               "--fully-sharded-data-parallel-size", "4", "--tensor-parallel-size", "2"]
     log0, log1 = tmp_path / "p0.log", tmp_path / "p1.log"
     with open(log0, "w") as f0, open(log1, "w") as f1:
-        p0 = subprocess.Popen([sys.executable, "-m", "tx.run", *common, "--process-id", "0", "--steps", "100000"],
+        p0 = subprocess.Popen([sys.executable, "-m", "tx.run", *common, "--process-id", "0", "--job", "smoke", "--steps", "100000"],
                               env=_env(4), cwd=ROOT, stdout=f0, stderr=subprocess.STDOUT)
         p1 = subprocess.Popen([sys.executable, "-m", "tx.run", *common, "--process-id", "1"],
                               env=_env(4), cwd=ROOT, stdout=f1, stderr=subprocess.STDOUT)
