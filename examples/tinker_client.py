@@ -61,6 +61,7 @@ def main() -> None:
     out = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=2,
                          sampling_params=types.SamplingParams(max_tokens=24, temperature=0.0)).result()
     print(json.dumps({"saved": state, "samples": [tokenizer.decode(s.tokens) for s in out.sequences]}), flush=True)
+    service.close("success").result()  # ends the session (the server unloads its adapter)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,15 @@ from safetensors.numpy import load_file
 from tinker import types as T
 from tinker.proto import tinker_public_pb2 as pb
 
-from tests.api.server_proc import API_KEY
+from tests.api.server_proc import API_KEY, CLIENTS
 
 SEQ_LEN = 16
 
 
 def service(url: str) -> tinker.ServiceClient:
-    return tinker.ServiceClient(base_url=url, api_key=API_KEY)
+    client = tinker.ServiceClient(base_url=url, api_key=API_KEY)
+    CLIENTS.setdefault(url, []).append(client)
+    return client
 
 
 def datums(seed: int, rows: int = 4, weights: float = 1.0) -> list[T.Datum]:
@@ -88,7 +90,7 @@ def full_flow(url: str) -> dict:
 
     def custom(batch, logprobs):
         loss = sum((-x).sum() for x in logprobs)
-        return loss, {"custom:sum": float(loss)}
+        return loss, {"custom:sum": float(loss.detach())}
 
     out = tc.forward_backward_custom(data, custom).result()
     np.testing.assert_allclose(out.metrics["loss:sum"], fwd.metrics["loss:sum"], rtol=1e-5)

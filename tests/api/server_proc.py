@@ -13,6 +13,9 @@ from pathlib import Path
 import httpx
 
 API_KEY = "tml-tx-test-key"
+# SDK clients by server URL: closed before their server stops, so that no heartbeat or telemetry thread
+# keeps retrying a dead server (and holding up the test process at exit)
+CLIENTS: dict[str, list] = {}
 
 
 def free_port() -> int:
@@ -58,6 +61,11 @@ class Server:
         return httpx.post(self.url + path, headers={"X-API-Key": key, **kw.pop("headers", {})}, timeout=60, **kw)
 
     def stop(self) -> int:
+        for client in CLIENTS.pop(self.url, []):
+            try:
+                client.close("success").result(timeout=30)
+            except Exception:  # noqa: BLE001 - a client of a failed test may be unusable
+                pass
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
