@@ -28,11 +28,13 @@ from tx.engine.store import Store
 logger = logging.getLogger(__name__)
 JSON = "application/json"
 Encoded = tuple[str, bytes]
+ACTIVE_S = 2.0  # a model that sent a request this recently is an active tenant, worth a batch window
 
 
 class EngineConfig(BaseModel):
     checkpoint_root: str = Field(description="directory or cloud URL under which checkpoints are written")
-    batch_window_s: float = Field(0.02, ge=0, description="wait this long for other tenants' passes before a round")
+    batch_window_s: float = Field(0.02, ge=0, description="while other tenants are active, wait this long for "
+                                  "their passes to join a round")
     session_timeout_s: float = Field(600.0, gt=0, description="a session without heartbeat this long expires "
                                      "and its models are unloaded")
     seq_gap_timeout_s: float = Field(120.0, gt=0, description="skip a missing seq_id after waiting this long")
@@ -72,6 +74,7 @@ class Engine:
         self.error: BaseException | None = None
         self.on_fatal: Callable[[], None] | None = None  # e.g. stop the HTTP server
         self._stop = False
+        self._last_submit: dict[str, float] = {}  # model -> when it last sent a request
         self._ending: set[str] = set()  # sessions finished by the client, to unload at the next round
         self._next_housekeeping = 0.0
         self._thread = threading.Thread(target=self._loop, name="tx-engine", daemon=True)
@@ -118,6 +121,8 @@ class Engine:
             except sa.exc.IntegrityError:  # the same dedup_key raced in from another thread
                 return self.store.future_by_key(dedup_key)
             self.scheduler.add(Op(request_id, kind, payload, model_id, seq_id, session_id, size))
+            if model_id is not None:
+                self._last_submit[model_id] = time.time()
             self.count(f"submitted_{kind}")
             self.cond.notify_all()
         return request_id
@@ -151,7 +156,7 @@ class Engine:
                             break  # housekeeping or a seq_id gap is due
                     if self._stop:
                         return
-                    window = self.config.batch_window_s if self.scheduler.has_ready_passes() else 0.0
+                    window = self._batch_window(time.time())
                 if window:
                     time.sleep(window)  # let other tenants' passes join this round
                 with self.cond:
@@ -171,6 +176,14 @@ class Engine:
                 self.error = e
             if self.on_fatal is not None:
                 self.on_fatal()
+
+    def _batch_window(self, now: float) -> float:
+        """Wait for other tenants only when some are active: a lone tenant's passes run at once."""
+        ready = self.scheduler.ready_pass_models()
+        if not ready:
+            return 0.0
+        others = any(m not in ready and now - t < ACTIVE_S for m, t in self._last_submit.items())
+        return self.config.batch_window_s if others else 0.0
 
     def _finish(self, results: list[tuple[str, str, Encoded]], model_updates: list[tuple[str, dict]] = ()) -> None:
         rows = [(rid, status, ct, body) for rid, status, (ct, body) in results]
@@ -361,6 +374,8 @@ class Engine:
             return
         if now >= self._next_housekeeping:
             self._next_housekeeping = now + min(5.0, self.config.session_timeout_s / 4)
+            with self.cond:
+                self._last_submit = {m: t for m, t in self._last_submit.items() if now - t < ACTIVE_S}
             for session_id in self.store.stale_sessions(now - self.config.session_timeout_s):
                 if self.store.end_session(session_id, "expired"):
                     logger.info("session %s expired (no heartbeat for %.0f s)", session_id,

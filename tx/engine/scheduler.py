@@ -78,9 +78,13 @@ class Scheduler:
                  if q.waiting and q.blocked_since is not None]
         return min(times, default=None)
 
+    def ready_pass_models(self) -> set[str]:
+        """Models whose next request is a forward or forward_backward that could run now."""
+        return {m for m, q in self.models.items()
+                if (head := q.waiting.get(q.next_seq)) is not None and head.kind in PASS_KINDS}
+
     def has_ready_passes(self) -> bool:
-        return any(q.waiting.get(q.next_seq) is not None and q.waiting[q.next_seq].kind in PASS_KINDS
-                   for q in self.models.values())
+        return bool(self.ready_pass_models())
 
     def next_round(self, now: float) -> Round:
         out = Round()
