@@ -80,7 +80,8 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, e: ApiError):
-        return JSONResponse({"detail": str(e)}, status_code=e.status)
+        headers = {"retry-after": "1"} if e.status == 429 else None
+        return JSONResponse({"detail": str(e)}, status_code=e.status, headers=headers)
 
     @app.exception_handler(UserError)
     async def _user_error(_request: Request, e: UserError):
@@ -437,6 +438,11 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
         key = None
         if body.sampling_session_id is not None and body.seq_id is not None:
             key = f"sample:{body.sampling_session_id}:{body.seq_id}"
+            if (known := await io(store.future_by_key, key)) is not None:  # a resend: same future, no 429
+                return {"request_id": known, "sample_sequence_ids": [f"{known}:{i}" for i in range(body.num_samples)]}
+        queued = engine.queued_samples()
+        if queued and queued + body.num_samples > engine.config.max_queued_samples:
+            raise ApiError(429, f"{queued} sequences are queued (limit {engine.config.max_queued_samples}); retry later")
         request_id = await io(engine.submit, "sample", sample, key, None, None, None, body.num_samples)
         return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(body.num_samples)]}
 

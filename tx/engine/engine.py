@@ -40,6 +40,8 @@ class EngineConfig(BaseModel):
     seq_gap_timeout_s: float = Field(120.0, gt=0, description="skip a missing seq_id after waiting this long")
     max_pass_datums: int = Field(4096, ge=1, description="datums per forward/forward_backward backend call")
     max_samples: int = Field(1024, ge=1, description="sequences per sampling backend call")
+    max_queued_samples: int = Field(16384, ge=1, description="queued sequences beyond which asample answers 429 "
+                                    "(the SDK backs off and retries)")
 
 
 def error_payload(message: str, category: str) -> Encoded:
@@ -126,6 +128,10 @@ class Engine:
             self.count(f"submitted_{kind}")
             self.cond.notify_all()
         return request_id
+
+    def queued_samples(self) -> int:
+        with self.cond:
+            return sum(op.size for op in self.scheduler.samples)
 
     def watch(self, request_id: str, callback: Callable[[], None]) -> None:
         with self.cond:
