@@ -64,6 +64,13 @@ class ApiError(Exception):
         self.status = status
 
 
+def found(value, what: str):
+    """`value`, or a 404 naming what was not found."""
+    if value is None:
+        raise ApiError(404, f"{what} not found")
+    return value
+
+
 def _iso(ts: float | None) -> str | None:
     return None if ts is None else dt.datetime.fromtimestamp(ts, dt.UTC).isoformat()
 
@@ -128,18 +135,14 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
             raise ApiError(400, f"invalid {model.__name__} request: {problems}") from None
 
     async def live_model(model_id: str) -> dict:
-        model = await io(store.model, model_id)
-        if model is None:
-            raise ApiError(404, f"model_id {model_id!r} not found")
+        model = found(await io(store.model, model_id), f"model_id {model_id!r}")
         if model["status"] not in ("creating", "ready"):
             raise ApiError(400, f"model_id {model_id!r} is {model['status']}; create it again (e.g. from a "
                                 "checkpoint with create_training_client_from_state)")
         return model
 
     async def active_session(session_id: str) -> dict:
-        session = await io(store.session, session_id)
-        if session is None:
-            raise ApiError(404, f"session_id {session_id!r} not found")
+        session = found(await io(store.session, session_id), f"session_id {session_id!r}")
         if session["status"] != "active":
             raise ApiError(410, f"session {session_id} is {session['status']}")
         return session
@@ -196,9 +199,7 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
     @app.post("/api/v1/session_heartbeat")
     async def session_heartbeat(request: Request):
         body = await parse(request, schemas.SessionRef)
-        status = await io(store.heartbeat, body.session_id)
-        if status is None:
-            raise ApiError(404, f"session_id {body.session_id!r} not found")
+        status = found(await io(store.heartbeat, body.session_id), f"session_id {body.session_id!r}")
         if status != "active":
             raise ApiError(410, f"session {body.session_id} is {status}")
         return {"type": "session_heartbeat"}
@@ -206,17 +207,14 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
     @app.post("/api/v1/sessions/{session_id}/finish")
     async def finish_session(session_id: str, request: Request):
         await parse(request, schemas.FinishSession)
-        if await io(store.session, session_id) is None:
-            raise ApiError(404, f"session_id {session_id!r} not found")
+        found(await io(store.session, session_id), f"session_id {session_id!r}")
         if await io(store.end_session, session_id, "finished"):
             engine.end_session(session_id)
         return {}
 
     @app.get("/api/v1/sessions/{session_id}")
     async def get_session(session_id: str):
-        session = await io(store.session, session_id)
-        if session is None:
-            raise ApiError(404, f"session_id {session_id!r} not found")
+        session = found(await io(store.session, session_id), f"session_id {session_id!r}")
         models, _ = await io(store.list_models, 1000, 0, session_id)
         return {"training_run_ids": [m["model_id"] for m in models],
                 "sampler_ids": await io(store.sampling_session_ids, session_id),
@@ -274,9 +272,7 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
     @app.post("/api/v1/get_info")
     async def get_info(request: Request):
         body = await parse(request, schemas.ModelRef)
-        model = await io(store.model, body.model_id)
-        if model is None:
-            raise ApiError(404, f"model_id {body.model_id!r} not found")
+        model = found(await io(store.model, body.model_id), f"model_id {body.model_id!r}")
         return {"model_id": body.model_id, "model_name": served.model_name, "is_lora": True,
                 "lora_rank": model["lora_config"]["rank"], "optimizer_config": {"type": "adamw"}, "type": "get_info",
                 "model_data": {"arch": served.arch, "model_name": served.model_name, "tokenizer_id": served.tokenizer_id}}
@@ -396,18 +392,15 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
 
     @app.get("/api/v1/samplers/{sampling_session_id}")
     async def get_sampler(sampling_session_id: str):
-        row = await io(store.sampling_session, sampling_session_id)
-        if row is None:
-            raise ApiError(404, f"sampler {sampling_session_id!r} not found")
+        row = found(await io(store.sampling_session, sampling_session_id), f"sampler {sampling_session_id!r}")
         return {"sampler_id": sampling_session_id, "base_model": row["base_model"], "model_path": row["model_path"]}
 
     @app.post("/api/v1/asample")
     async def asample(request: Request):
         body = await parse(request, schemas.Sample)
         if body.sampling_session_id is not None:
-            row = await io(store.sampling_session, body.sampling_session_id)
-            if row is None:
-                raise ApiError(404, f"sampling_session_id {body.sampling_session_id!r} not found")
+            row = found(await io(store.sampling_session, body.sampling_session_id),
+                        f"sampling_session_id {body.sampling_session_id!r}")
             location = row["location"] or ""
         elif body.model_path is not None:
             location = await io(checkpoint_location, body.model_path, "sampler_weights", "model_path")
@@ -451,9 +444,7 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request):
         body = await parse(request, schemas.RetrieveFuture)
-        row = await io(store.future, body.request_id)
-        if row is None:
-            raise ApiError(404, f"request_id {body.request_id!r} not found")
+        row = found(await io(store.future, body.request_id), f"request_id {body.request_id!r}")
         if row.status == "pending":
             loop = asyncio.get_running_loop()
             ready = asyncio.Event()
@@ -494,10 +485,7 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
                 "user_metadata": _str_metadata(model["user_metadata"])}
 
     def run_or_404(run_id: str) -> dict:
-        model = store.model(run_id)
-        if model is None:
-            raise ApiError(404, f"training run {run_id!r} not found")
-        return model
+        return found(store.model(run_id), f"training run {run_id!r}")
 
     @app.get("/api/v1/training_runs")
     async def list_training_runs(limit: int = 20, offset: int = 0):
@@ -528,9 +516,7 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
     @app.delete("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}")
     async def delete_checkpoint(run_id: str, kind: str, name: str):
         key = checkpoint_key(run_id, kind, name)
-        row = await io(store.checkpoint, *key)
-        if row is None:
-            raise ApiError(404, f"checkpoint {kind}/{name} of {run_id} not found")
+        row = found(await io(store.checkpoint, *key), f"checkpoint {kind}/{name} of {run_id}")
         await io(store.delete_checkpoint, *key)
         await io(engine._delete_checkpoint_files, row["location"])
         return {}
