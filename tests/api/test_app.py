@@ -25,6 +25,7 @@ def client(tmp_path):
                          max_context_length=128, max_lora_rank=8, max_num_samples=8)
     app = create_app(engine, store, ApiConfig(api_keys=[KEY], max_body_bytes=2048, long_poll_s=0.2), served)
     with TestClient(app, headers={"X-API-Key": KEY}) as c:
+        c.engine = engine
         yield c
     store.close()
 
@@ -55,3 +56,16 @@ def test_sampling_back_pressure_and_try_again(client):
     pending = client.post("/api/v1/retrieve_future", json={"request_id": first.json()["request_id"]})
     assert pending.json()["type"] == "try_again"
     assert client.post("/api/v1/retrieve_future", json={"request_id": "req-unknown"}).status_code == 404
+
+
+def test_unsupported_training_call_keeps_the_models_order(client):
+    """save_weights_external is refused with a 400 that still consumes its seq_id."""
+    session = client.post("/api/v1/create_session", json={"tags": []}).json()["session_id"]
+    model = client.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": 0, "base_model": "tiny",
+                                                       "lora_config": {"rank": 4}}).json()["model_id"]
+    r = client.post("/api/v1/save_weights_external", json={"model_id": model, "seq_id": 1, "path": "x"})
+    assert r.status_code == 400 and "not supported" in r.json()["detail"]
+    nxt = client.post("/api/v1/optim_step", json={"model_id": model, "seq_id": 2, "adam_params": {}})
+    assert nxt.status_code == 200
+    waiting = client.engine.scheduler.models[model].waiting  # the engine is not running: all still queued
+    assert sorted(waiting) == [0, 1, 2] and waiting[1].kind == "rejected" and waiting[2].kind == "optim_step"

@@ -327,6 +327,17 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
         return await submit_training(body.model_id, body.seq_id, "save_weights_for_sampler", build,
                                      session_id=model["session_id"])
 
+    @app.post("/api/v1/save_weights_external")
+    async def save_weights_external(request: Request):
+        body = await parse(request, schemas.SaveWeights)
+        await live_model(body.model_id)
+
+        def refuse():
+            raise UserError("save_weights_external is not supported by this server; save_weights_for_sampler "
+                            "writes a PEFT adapter under the server's checkpoint root")
+
+        return await submit_training(body.model_id, body.seq_id, "save_weights_external", refuse)
+
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request):
         body = await parse(request, schemas.LoadWeights)
