@@ -123,8 +123,9 @@ def test_refused_request_keeps_its_place(make_engine):
 
 
 def test_session_without_heartbeat_expires_and_unloads_its_models(make_engine):
-    engine = make_engine(session_timeout_s=0.5)
+    engine = make_engine()
     assert engine.backend.has_model(MODEL)
+    engine.config.session_timeout_s = 0.4  # only now: a slow machine must not expire it before the create
     assert wait_for(lambda: engine.store.model(MODEL)["status"] == "unloaded", 10.0)
     assert not engine.backend.has_model(MODEL)
     assert engine.store.session("sess-a")["status"] == "expired"
@@ -149,7 +150,7 @@ def test_restart_fails_what_never_ran_and_keeps_results(make_engine, tmp_path):
 
 
 def test_expired_checkpoints_are_deleted_with_their_files(make_engine, tmp_path):
-    engine = make_engine(session_timeout_s=0.2)  # housekeeping runs every session_timeout_s / 4
+    engine = make_engine()  # housekeeping (expiry included) runs at least every 5 s
     old, kept = tmp_path / "old.tar.gz", tmp_path / "kept"
     old.write_bytes(b"x")
     kept.mkdir()
