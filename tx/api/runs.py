@@ -1,0 +1,92 @@
+"""REST endpoints for training runs and checkpoints (RestClient, the cookbook, the tinker CLI)."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI, Request
+from starlette.concurrency import run_in_threadpool
+
+from tx.api import schemas
+from tx.api.common import ApiError, found, iso, str_metadata
+from tx.engine import paths
+from tx.engine.engine import Engine
+from tx.engine.store import Store
+
+
+def add_run_routes(app: FastAPI, store: Store, engine: Engine, parse) -> None:
+    io = run_in_threadpool
+
+    @app.post("/api/v1/weights_info")
+    async def weights_info(request: Request):
+        body = await parse(request, schemas.WeightsInfo)
+        model_id, kind, name = paths.parse_tinker_path(body.tinker_path, "tinker_path")
+        model = await io(store.model, model_id)
+        if model is None or await io(store.checkpoint, model_id, kind, name) is None:
+            raise ApiError(404, f"checkpoint {body.tinker_path} not found")
+        lora = model["lora_config"]
+        return {"base_model": model["base_model"], "optimizer_config": {"type": "adamw"}, "is_lora": True,
+                "lora_rank": lora.get("rank"), "train_unembed": lora.get("train_unembed"),
+                "train_mlp": lora.get("train_mlp"), "train_attn": lora.get("train_attn")}
+
+    # ---- training runs and checkpoints ----
+
+    def checkpoint_json(row: dict) -> dict:
+        return {"checkpoint_id": f"{row['kind']}/{row['name']}", "checkpoint_type": paths.KINDS[row["kind"]],
+                "time": iso(row["created_at"]), "tinker_path": paths.tinker_path(row["model_id"], row["kind"], row["name"]),
+                "size_bytes": row["size_bytes"], "public": False, "user_metadata": str_metadata(row["user_metadata"]),
+                "expires_at": iso(row["expires_at"])}
+
+    def training_run_json(model: dict) -> dict:
+        checkpoints, _ = store.list_checkpoints(model["model_id"])
+        last = {kind: next((checkpoint_json(c) for c in checkpoints if c["kind"] == kind), None) for kind in paths.KINDS}
+        return {"training_run_id": model["model_id"], "base_model": model["base_model"],
+                "model_owner": model["session_id"], "is_lora": True, "corrupted": False,
+                "lora_rank": model["lora_config"].get("rank"), "last_request_time": iso(model["last_request_time"]),
+                "last_checkpoint": last["weights"], "last_sampler_checkpoint": last["sampler_weights"],
+                "user_metadata": str_metadata(model["user_metadata"])}
+
+    def run_or_404(run_id: str) -> dict:
+        return found(store.model(run_id), f"training run {run_id!r}")
+
+    @app.get("/api/v1/training_runs")
+    async def list_training_runs(limit: int = 20, offset: int = 0):
+        models, total = await io(store.list_models, limit, offset)
+        runs = [await io(training_run_json, m) for m in models]
+        return {"training_runs": runs, "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+
+    @app.get("/api/v1/training_runs/{run_id}")
+    async def get_training_run(run_id: str):
+        return await io(training_run_json, await io(run_or_404, run_id))
+
+    @app.get("/api/v1/training_runs/{run_id}/checkpoints")
+    async def list_run_checkpoints(run_id: str):
+        await io(run_or_404, run_id)
+        rows, total = await io(store.list_checkpoints, run_id)
+        return {"checkpoints": [checkpoint_json(r) for r in rows],
+                "cursor": {"offset": 0, "limit": len(rows), "total_count": total}}
+
+    @app.get("/api/v1/checkpoints")
+    async def list_all_checkpoints(limit: int = 100, offset: int = 0):
+        rows, total = await io(store.list_checkpoints, None, limit, offset)
+        return {"checkpoints": [checkpoint_json(r) for r in rows],
+                "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+
+    def checkpoint_key(run_id: str, kind: str, name: str) -> tuple[str, str, str]:
+        return paths.parse_tinker_path(paths.tinker_path(run_id, kind, name), "checkpoint")
+
+    @app.delete("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}")
+    async def delete_checkpoint(run_id: str, kind: str, name: str):
+        key = checkpoint_key(run_id, kind, name)
+        row = found(await io(store.checkpoint, *key), f"checkpoint {kind}/{name} of {run_id}")
+        await io(store.delete_checkpoint, *key)
+        await io(engine._delete_checkpoint_files, row["location"])
+        return {}
+
+    @app.put("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl")
+    async def set_ttl(run_id: str, kind: str, name: str, request: Request):
+        body = await parse(request, schemas.CheckpointTtl)
+        expires = None if body.ttl_seconds is None else time.time() + body.ttl_seconds
+        if not await io(store.set_checkpoint_expiry, *checkpoint_key(run_id, kind, name), expires):
+            raise ApiError(404, f"checkpoint {kind}/{name} of {run_id} not found")
+        return {}
