@@ -22,7 +22,7 @@ import signal
 import sys
 import time
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from tx.api.app import ApiConfig
 from tx.api.server import ServiceConfig
@@ -48,37 +48,31 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model and backend")
     m.add_argument("--base-model", default="tiny", help="HF directory or hub id; 'tiny' = the built-in tiny model")
     m.add_argument("--backend-config", default="{}", help="JaxBackendConfig as JSON (flags below override it)")
-    for name, field in JaxBackendConfig.model_fields.items():
-        if name in ("coordinator_address", "num_processes"):
-            continue
-        flag = "--" + name.replace("_", "-")
-        if field.annotation is bool:
-            m.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=field.description)
-        else:
-            m.add_argument(flag, default=None, help=f"{field.description} (default {field.default})")
+    add_config_flags(m, JaxBackendConfig, skip=("coordinator_address", "num_processes"))
     j = p.add_argument_group("job (process 0)")
     j.add_argument("--job", choices=["serve", "smoke"], default="serve",
                    help="serve: the Tinker API; smoke: train an adapter on synthetic batches, sample, exit")
     j.add_argument("--steps", type=int, default=10, help="training steps of the smoke job")
     s = p.add_argument_group("service (--job serve)")
-    for name, field in ServiceConfig.model_fields.items():
-        s.add_argument("--" + name.replace("_", "-"), default=None, help=f"{field.description} (default {field.default})")
+    add_config_flags(s, ServiceConfig)
     s.add_argument("--api-key", action="append", default=[],
                    help="accepted X-API-Key (repeatable; also TX_API_KEYS=k1,k2); none on loopback = any key")
     s.add_argument("--no-auth", action="store_true", help="accept requests without a valid key")
-    for name, field in ApiConfig.model_fields.items():
-        if name not in ("api_keys", "no_auth"):
-            flag = "--" + name.replace("_", "-")
-            if field.annotation is bool:
-                s.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=field.description)
-            else:
-                s.add_argument(flag, type=float if field.annotation is float else int, default=None,
-                               help=f"{field.description} (default {field.default})")
-    for name, field in EngineConfig.model_fields.items():
-        if name != "checkpoint_root":
-            s.add_argument("--" + name.replace("_", "-"), type=field.annotation, default=None,
-                           help=f"{field.description} (default {field.default})")
+    add_config_flags(s, ApiConfig, skip=("api_keys", "no_auth"))
+    add_config_flags(s, EngineConfig, skip=("checkpoint_root",))
     return p
+
+
+def add_config_flags(group, config: type[BaseModel], skip: tuple[str, ...] = ()) -> None:
+    """One flag per field of a pydantic config (values are validated by the model, not by argparse)."""
+    for name, field in config.model_fields.items():
+        if name in skip:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if field.annotation is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=field.description)
+        else:
+            group.add_argument(flag, default=None, help=f"{field.description} (default {field.default})")
 
 
 def service_configs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[ServiceConfig, ApiConfig, dict]:
