@@ -489,3 +489,80 @@ def test_failed_migration_leaves_the_database_as_it_was(url, monkeypatch):
     monkeypatch.setattr(store_mod, "MIGRATIONS", {SCHEMA_VERSION: _add_note_column})
     Store(url).close()
     assert schema_versions(url) == [SCHEMA_VERSION + 1]
+
+
+def test_concurrent_submits_finishes_and_heartbeats_never_see_database_locked(tmp_path):
+    """Issue 12 #7: two submitting threads, a finisher and heartbeats on one SQLite file. A read-then-write
+    transaction (add_future's dedup lookup, heartbeat's status check) that began deferred could not wait
+    for the writer and failed at once with "database is locked"; BEGIN IMMEDIATE makes it wait."""
+    import threading
+    import time
+
+    store = Store(f"sqlite:///{tmp_path / 'tx.sqlite'}")
+    session_id = store.create_session([], {}, None, None)
+    errors: list[str] = []
+    ops: list[str] = []
+    pending: list[str] = []
+    lock, stop = threading.Lock(), threading.Event()
+
+    def guarded(name: str, fn) -> None:
+        try:
+            fn()
+            ops.append(name)
+        except sa.exc.OperationalError as e:
+            errors.append(f"{name}: {e.orig}")
+
+    def submit(thread: int) -> None:
+        for i in range(500):
+            def add(i=i):
+                request_id, _ = store.add_future("forward_backward", f"train:m{thread}:{i}", f"m{thread}", session_id)
+                with lock:
+                    pending.append(request_id)
+            guarded("submit", add)
+
+    def finish() -> None:
+        while not stop.is_set() or pending:
+            with lock:
+                batch, pending[:] = pending[:], []
+            if batch:
+                guarded("finish", lambda: store.finish_futures([(r, "done", "application/json", b"{}") for r in batch]))
+            else:
+                time.sleep(0.001)
+
+    def beat() -> None:
+        while not stop.is_set():
+            guarded("heartbeat", lambda: store.heartbeat(session_id))
+            time.sleep(0.002)
+
+    submitters = [threading.Thread(target=submit, args=(t,)) for t in range(2)]
+    background = [threading.Thread(target=finish), threading.Thread(target=beat)]
+    for t in submitters + background:
+        t.start()
+    for t in submitters:
+        t.join()
+    stop.set()
+    for t in background:
+        t.join()
+    assert errors == [], f"{len(errors)} of {len(errors) + len(ops)} operations failed, e.g. {errors[0]}"
+    assert ops.count("submit") == 1000
+    with store.engine.connect() as conn:
+        statuses = conn.execute(sa.select(store_mod.futures.c.status, sa.func.count())
+                                .group_by(store_mod.futures.c.status)).all()
+    assert dict(statuses) == {"done": 1000}
+    store.close()
+
+
+def test_sqlite_reads_do_not_wait_for_an_open_write(tmp_path):
+    """Write transactions start with BEGIN IMMEDIATE; reads stay deferred, so in WAL mode they answer while
+    a writer holds the lock."""
+    import time
+
+    store = Store(f"sqlite:///{tmp_path / 'tx.sqlite'}")
+    request_id, _ = store.add_future("optim_step", None)
+    with store.engine.begin() as writer:  # holds SQLite's write lock until the block ends
+        writer.execute(store_mod.futures.update().values(status="failed"))
+        started = time.monotonic()
+        assert store.future(request_id).status == "pending"  # the committed state, without waiting
+        assert time.monotonic() - started < 1.0
+    assert store.future(request_id).status == "failed"
+    store.close()

@@ -122,6 +122,14 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
     cursor.close()
 
 
+def _sqlite_begin(conn: Connection) -> None:
+    """A transaction takes SQLite's write lock at BEGIN unless it only reads. A deferred transaction that
+    reads and then writes cannot wait for a busy writer: SQLite answers "database is locked" at once
+    (busy_timeout does not apply to that upgrade), while BEGIN IMMEDIATE waits up to busy_timeout."""
+    read_only = conn.get_execution_options().get("tx_read_only", False)
+    conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+
+
 class Store:
     def __init__(self, url: str):
         self.url = url
@@ -133,7 +141,8 @@ class Store:
         self.engine: Engine = sa.create_engine(url, **kwargs)
         if url.startswith("sqlite"):
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
-            sa.event.listen(self.engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN"))
+            sa.event.listen(self.engine, "begin", _sqlite_begin)
+        self._reads = self.engine.execution_options(tx_read_only=True)  # transactions that never write
         try:
             self._migrate()
         except BaseException:
@@ -171,12 +180,12 @@ class Store:
         return session_id
 
     def session(self, session_id: str) -> dict | None:
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             row = conn.execute(sessions.select().where(sessions.c.session_id == session_id)).mappings().first()
         return dict(row) if row else None
 
     def list_sessions(self, limit: int, offset: int) -> list[str]:
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             q = sa.select(sessions.c.session_id).order_by(sessions.c.created_at.desc()).limit(limit).offset(offset)
             return list(conn.execute(q).scalars())
 
@@ -197,7 +206,7 @@ class Store:
         return done.rowcount == 1
 
     def stale_sessions(self, older_than: float) -> list[str]:
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             q = sa.select(sessions.c.session_id).where(sessions.c.status == "active",
                                                         sessions.c.last_heartbeat < older_than)
             return list(conn.execute(q).scalars())
@@ -213,12 +222,12 @@ class Store:
                 user_metadata=user_metadata, status="creating", created_at=now, last_request_time=now))
 
     def model(self, model_id: str) -> dict | None:
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             row = conn.execute(models.select().where(models.c.model_id == model_id)).mappings().first()
         return dict(row) if row else None
 
     def list_models(self, limit: int = 1000, offset: int = 0, session_id: str | None = None) -> tuple[list[dict], int]:
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             where = [] if session_id is None else [models.c.session_id == session_id]
             total = conn.execute(sa.select(sa.func.count()).select_from(models).where(*where)).scalar()
             q = models.select().where(*where).order_by(models.c.created_at.desc()).limit(limit).offset(offset)
@@ -229,7 +238,7 @@ class Store:
             conn.execute(models.update().where(models.c.model_id == model_id).values(**values))
 
     def models_in_status(self, *statuses: str) -> list[str]:
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             return list(conn.execute(sa.select(models.c.model_id).where(models.c.status.in_(statuses))).scalars())
 
     # ---- futures ----
@@ -249,7 +258,7 @@ class Store:
         return request_id, True
 
     def future(self, request_id: str) -> FutureRow | None:
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             row = conn.execute(futures.select().where(futures.c.request_id == request_id)).mappings().first()
         if row is None:
             return None
@@ -257,7 +266,7 @@ class Store:
                          row["result"])
 
     def future_by_key(self, dedup_key: str) -> str | None:
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             return conn.execute(sa.select(futures.c.request_id).where(futures.c.dedup_key == dedup_key)).scalar()
 
     def finish_futures(self, results: Iterable[tuple[str, str, str, bytes]],
@@ -291,7 +300,7 @@ class Store:
                 expires_at=expires_at, size_bytes=size_bytes, user_metadata=user_metadata))
 
     def checkpoint(self, model_id: str, kind: str, name: str) -> dict | None:
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             row = conn.execute(checkpoints.select().where(
                 checkpoints.c.model_id == model_id, checkpoints.c.kind == kind, checkpoints.c.name == name,
             )).mappings().first()
@@ -299,7 +308,7 @@ class Store:
 
     def list_checkpoints(self, model_id: str | None = None, limit: int = 1000, offset: int = 0) -> tuple[list[dict], int]:
         where = [] if model_id is None else [checkpoints.c.model_id == model_id]
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             total = conn.execute(sa.select(sa.func.count()).select_from(checkpoints).where(*where)).scalar()
             q = checkpoints.select().where(*where).order_by(checkpoints.c.created_at.desc()).limit(limit).offset(offset)
             return [dict(r) for r in conn.execute(q).mappings()], total
@@ -318,7 +327,7 @@ class Store:
         return done.rowcount == 1
 
     def expired_checkpoints(self, now: float) -> list[dict]:
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             q = checkpoints.select().where(checkpoints.c.expires_at.is_not(None), checkpoints.c.expires_at < now)
             return [dict(r) for r in conn.execute(q).mappings()]
 
@@ -335,12 +344,12 @@ class Store:
                     model_path=model_path, location=location, created_at=time.time()))
 
     def sampling_session(self, sampling_session_id: str) -> dict | None:
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             row = conn.execute(sampling_sessions.select().where(
                 sampling_sessions.c.sampling_session_id == sampling_session_id)).mappings().first()
         return dict(row) if row else None
 
     def sampling_session_ids(self, session_id: str) -> list[str]:
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             return list(conn.execute(sa.select(sampling_sessions.c.sampling_session_id).where(
                 sampling_sessions.c.session_id == session_id)).scalars())
