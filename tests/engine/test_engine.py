@@ -10,6 +10,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import sqlalchemy as sa
 
 from tx import types
 from tx.engine.engine import Engine, EngineConfig
@@ -180,3 +181,89 @@ def test_batch_window_only_when_another_tenant_is_active(tmp_path):
     engine._last_submit[other] = now - 60
     assert engine._batch_window(now) == 0.0  # it went quiet
     store.close()
+
+
+# ---- issue 12 #6: a round's results are never lost to a store that refuses writes ----
+
+def failing_writes(monkeypatch, store, times: int | None):
+    """Make store.finish_futures raise like a database blip `times` times (None: until `state["ok"]`)."""
+    real = store.finish_futures
+    state = {"failed": 0, "ok": False}
+
+    def finish(*args, **kwargs):
+        if not state["ok"] and (times is None or state["failed"] < times):
+            state["failed"] += 1
+            raise sa.exc.OperationalError("UPDATE futures", {}, Exception("disk I/O error"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "finish_futures", finish)
+    return state
+
+
+def test_a_result_write_that_fails_briefly_is_retried(make_engine, monkeypatch):
+    engine = make_engine()
+    state = failing_writes(monkeypatch, engine.store, times=2)
+    step = engine.submit("optim_step", types.AdamParams(), "train:a:1", MODEL, 1, "sess-a")
+    assert wait_for(lambda: engine.store.future(step).status != "pending", 10.0), "the future was orphaned"
+    assert state["failed"] == 2
+    row = engine.store.future(step)
+    assert row.status == "done" and json.loads(row.result) == {"metrics": {"lr": 1e-4}}
+
+
+def test_results_the_store_refuses_for_long_are_written_when_it_recovers(make_engine, monkeypatch):
+    engine = make_engine()
+    state = failing_writes(monkeypatch, engine.store, times=None)
+    woken = []
+    first = engine.submit("optim_step", types.AdamParams(), "train:a:1", MODEL, 1, "sess-a")
+    engine.watch(first, lambda: woken.append(first))
+    assert wait_for(lambda: engine.backend.steps == [MODEL], 5.0)
+    second = engine.submit("optim_step", types.AdamParams(), "train:a:2", MODEL, 2, "sess-a")  # runs meanwhile
+    assert wait_for(lambda: engine.backend.steps == [MODEL, MODEL], 5.0)
+    time.sleep(1.5)  # past the quick retries: the results are kept in memory
+    assert engine.store.future(first).status == "pending" and woken == []
+    assert engine.error is None and engine._thread.is_alive()
+    state["ok"] = True  # the store accepts writes again
+    recovered = time.monotonic()
+    assert wait_for(lambda: engine.store.future(second).status != "pending", 5.0), "a future stayed pending"
+    assert time.monotonic() - recovered < 3.0
+    for request_id in (first, second):
+        row = engine.store.future(request_id)
+        assert row.status == "done" and json.loads(row.result) == {"metrics": {"lr": 1e-4}}
+    assert woken == [first]  # the long-poll of the first future is woken once it is written
+    assert engine.results.kept == []
+
+
+class BigMetricsBackend(FakeBackend):
+    def optim_step(self, model_id, request):
+        self.steps.append(model_id)
+        return SimpleNamespace(metrics={f"metric_{i:05d}": float(i) for i in range(4000)})  # ~100 KB of JSON
+
+
+def test_a_request_running_when_the_disk_fills_ends_after_space_returns(tmp_path, caplog):
+    """A real SQLite 'database or disk is full' (PRAGMA max_page_count caps the file at its current size),
+    then space returns: the request that ran meanwhile ends with its result."""
+    store = Store(f"sqlite:///{tmp_path / 'tx.sqlite'}")
+    limit = {"pages": 2**30}
+    sa.event.listen(store.engine, "checkout",
+                    lambda dbapi, _rec, _proxy: dbapi.execute(f"PRAGMA max_page_count={limit['pages']}"))
+    engine = Engine(BigMetricsBackend(), store, EngineConfig(checkpoint_root=str(tmp_path / "ck")), "base",
+                    no_encoder, no_encoder)
+    engine.start()
+    try:
+        store.add_model(MODEL, "sess-a", "base", {}, {})
+        create = engine.submit("create_model", CreateRequest(None), "create:sess-a:0", MODEL, 0, "sess-a")
+        assert wait_for(lambda: store.future(create).status == "done", 10.0)
+        with store.engine.connect() as conn:
+            limit["pages"] = conn.exec_driver_sql("PRAGMA page_count").scalar() + 2  # the disk is (nearly) full
+        step = engine.submit("optim_step", types.AdamParams(), "train:a:1", MODEL, 1, "sess-a")
+        assert wait_for(lambda: engine.backend.steps == [MODEL], 5.0)
+        time.sleep(1.5)
+        assert store.future(step).status == "pending"
+        limit["pages"] = 2**30  # space returns
+        assert wait_for(lambda: store.future(step).status != "pending", 5.0), "the request never ended"
+        assert "database or disk is full" in caplog.text  # the write really failed for want of space
+        row = store.future(step)
+        assert row.status == "done" and len(json.loads(row.result)["metrics"]) == 4000
+    finally:
+        engine.stop()
+        store.close()

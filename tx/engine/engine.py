@@ -1,5 +1,6 @@
 """The engine: accepted requests become futures in the store; one thread on process 0 forms rounds
-(see scheduler.py), calls the backend and writes each round's results in one transaction.
+(see scheduler.py), calls the backend and writes the results of each backend call in one transaction
+(see results.py: a write the store refuses is retried, never dropped).
 
 Results are stored already encoded for the wire (the API passes in the encoders of the two protobuf
 result types); every other result and every error is JSON.
@@ -16,12 +17,13 @@ from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from tx import types
 from tx.checkpoints import storage
 from tx.engine import paths
-from tx.engine.ops import LoadRequest, Op, SaveRequest, UserError
+from tx.engine.ops import LoadRequest, Op, RequestTooLarge, SaveRequest, UserError
+from tx.engine.results import ResultWriter
 from tx.engine.scheduler import Round, Scheduler
 from tx.engine.store import Store
 
@@ -29,6 +31,7 @@ logger = logging.getLogger(__name__)
 JSON = "application/json"
 Encoded = tuple[str, bytes]
 ACTIVE_S = 2.0  # a model that sent a request this recently is an active tenant, worth a batch window
+REWRITE_S = 1.0  # while the store refuses results, try to write them again this often
 
 
 class EngineConfig(BaseModel):
@@ -38,10 +41,23 @@ class EngineConfig(BaseModel):
     session_timeout_s: float = Field(600.0, gt=0, description="a session without heartbeat this long expires "
                                      "and its models are unloaded")
     seq_gap_timeout_s: float = Field(120.0, gt=0, description="skip a missing seq_id after waiting this long")
-    max_pass_datums: int = Field(4096, ge=1, description="datums per forward/forward_backward backend call")
+    max_pass_datums: int = Field(4096, ge=1, description="datums per forward/forward_backward backend call; a "
+                                 "request with more is refused (413)")
+    max_pass_tokens: int = Field(1 << 20, ge=1, description="tokens per forward/forward_backward backend call "
+                                 "(requests of several tenants share a call up to this)")
+    max_request_tokens: int = Field(1 << 18, ge=1, description="tokens of one forward/forward_backward request; "
+                                    "a request with more is refused (413)")
     max_samples: int = Field(1024, ge=1, description="sequences per sampling backend call")
     max_queued_samples: int = Field(16384, ge=1, description="queued sequences beyond which asample answers 429 "
                                     "(the SDK backs off and retries)")
+
+    @model_validator(mode="after")
+    def _request_fits_a_call(self) -> EngineConfig:
+        # a request runs in one backend call, so that its gradients are accumulated all or nothing
+        if self.max_request_tokens > self.max_pass_tokens:
+            raise ValueError(f"max_request_tokens {self.max_request_tokens} exceeds max_pass_tokens "
+                             f"{self.max_pass_tokens}: a request must fit one backend call")
+        return self
 
 
 def error_payload(message: str, category: str) -> Encoded:
@@ -69,10 +85,11 @@ class Engine:
         self.encode_pass = encode_pass
         self.encode_sample = encode_sample
         self.fatal = fatal
-        self.scheduler = Scheduler(config.max_pass_datums, config.max_samples, config.seq_gap_timeout_s)
-        self.cond = threading.Condition()
-        self.watchers: dict[str, list[Callable[[], None]]] = {}
+        self.scheduler = Scheduler(config.max_pass_datums, config.max_samples, config.seq_gap_timeout_s,
+                                   config.max_pass_tokens)
+        self.cond = threading.Condition()  # guards the scheduler; never held across store or backend I/O
         self.metrics: dict[str, int] = {}
+        self.results = ResultWriter(store, self.count)
         self.error: BaseException | None = None
         self.on_fatal: Callable[[], None] | None = None  # e.g. stop the HTTP server
         self._stop = False
@@ -104,46 +121,68 @@ class Engine:
 
     # ---- submission (API threads) ----
 
+    def check_pass_size(self, datums: int, tokens: int) -> None:
+        """Refuse a forward/forward_backward request that cannot run in one backend call."""
+        c = self.config
+        if datums > c.max_pass_datums:
+            raise RequestTooLarge(f"data has {datums} datums; a request may hold at most max_pass_datums="
+                                  f"{c.max_pass_datums} (the SDK splits larger batches)")
+        if tokens > c.max_request_tokens:
+            raise RequestTooLarge(f"data has {tokens} tokens; a request may hold at most max_request_tokens="
+                                  f"{c.max_request_tokens} (the SDK splits larger batches)")
+
     def submit(self, kind: str, payload: Any, dedup_key: str | None = None, model_id: str | None = None,
-               seq_id: int | None = None, session_id: str | None = None, size: int = 1) -> str:
-        """Accept a request: its future's id (the original one for a retried dedup_key)."""
+               seq_id: int | None = None, session_id: str | None = None, size: int = 1, tokens: int = 0) -> str:
+        """Accept a request: its future's id (the original one for a retried dedup_key). The store is
+        written outside the engine lock, so a slow database never stalls the engine or other submits."""
         with self.cond:
             if self.error is not None:
                 raise RuntimeError(f"the engine stopped: {self.error}")
-            if dedup_key is not None and (known := self.store.future_by_key(dedup_key)) is not None:
-                return known
-            if seq_id is not None and kind != "create_model" and kind != "create_from_state":
-                expected = self.scheduler.expected_seq(model_id)
-                if expected is None:
-                    raise UserError(f"model_id {model_id!r} is not loaded on this server")
-                if seq_id < expected:
-                    raise UserError(f"seq_id {seq_id} of model {model_id} was already passed (next is {expected})")
-            try:
-                request_id, _ = self.store.add_future(kind, dedup_key, model_id, session_id)
-            except sa.exc.IntegrityError:  # the same dedup_key raced in from another thread
-                return self.store.future_by_key(dedup_key)
-            self.scheduler.add(Op(request_id, kind, payload, model_id, seq_id, session_id, size))
-            if model_id is not None:
-                self._last_submit[model_id] = time.time()
-            self.count(f"submitted_{kind}")
-            self.cond.notify_all()
+        if dedup_key is not None and (known := self.store.future_by_key(dedup_key)) is not None:
+            return known
+        with self.cond:
+            self._check_seq(kind, model_id, seq_id)
+        try:
+            request_id, created = self.store.add_future(kind, dedup_key, model_id, session_id)
+        except sa.exc.IntegrityError:  # the same dedup_key raced in from another thread
+            return self.store.future_by_key(dedup_key)
+        if not created:
+            return request_id
+        late = None
+        with self.cond:
+            try:  # while the future was written the model may have been unloaded or its seq_id gap skipped
+                self._check_seq(kind, model_id, seq_id)
+            except UserError as e:
+                late = e
+            else:
+                self.scheduler.add(Op(request_id, kind, payload, model_id, seq_id, session_id, size, tokens))
+                if model_id is not None:
+                    self._last_submit[model_id] = time.time()
+                self.count(f"submitted_{kind}")
+                self.cond.notify_all()
+        if late is not None:
+            self.results.finish([(request_id, "failed", error_payload(str(late), "user"))])
         return request_id
+
+    def _check_seq(self, kind: str, model_id: str | None, seq_id: int | None) -> None:
+        if seq_id is None or kind in ("create_model", "create_from_state"):
+            return
+        expected = self.scheduler.expected_seq(model_id)
+        if expected is None:
+            raise UserError(f"model_id {model_id!r} is not loaded on this server")
+        if seq_id < expected:
+            raise UserError(f"seq_id {seq_id} of model {model_id} was already passed (next is {expected})")
 
     def queued_samples(self) -> int:
         with self.cond:
             return sum(op.size for op in self.scheduler.samples)
 
     def watch(self, request_id: str, callback: Callable[[], None]) -> None:
-        with self.cond:
-            self.watchers.setdefault(request_id, []).append(callback)
+        """Call `callback` once the future is written (it may be called from the engine thread)."""
+        self.results.watch(request_id, callback)
 
     def unwatch(self, request_id: str, callback: Callable[[], None]) -> None:
-        with self.cond:
-            callbacks = self.watchers.get(request_id, [])
-            if callback in callbacks:
-                callbacks.remove(callback)
-            if not callbacks:
-                self.watchers.pop(request_id, None)
+        self.results.unwatch(request_id, callback)
 
     def end_session(self, session_id: str) -> None:
         with self.cond:
@@ -158,6 +197,8 @@ class Engine:
                 with self.cond:
                     while not self._stop and not self._ending and not self.scheduler.pending(time.time()):
                         wake = min(self._next_housekeeping, self.scheduler.next_deadline() or math.inf)
+                        if self.results.kept:
+                            wake = min(wake, time.time() + REWRITE_S)
                         if not self.cond.wait(timeout=min(max(0.01, wake - time.time()), 5.0)):
                             break  # housekeeping or a seq_id gap is due
                     if self._stop:
@@ -168,6 +209,8 @@ class Engine:
                 with self.cond:
                     round_ = self.scheduler.next_round(time.time())
                 try:
+                    if self.results.kept:
+                        self.results.flush()
                     if not round_.empty():
                         self._execute(round_)
                     self._housekeeping()
@@ -192,14 +235,7 @@ class Engine:
         return self.config.batch_window_s if others else 0.0
 
     def _finish(self, results: list[tuple[str, str, Encoded]], model_updates: list[tuple[str, dict]] = ()) -> None:
-        rows = [(rid, status, ct, body) for rid, status, (ct, body) in results]
-        self.store.finish_futures(rows, model_updates)
-        with self.cond:
-            callbacks = [cb for rid, _, _ in results for cb in self.watchers.pop(rid, [])]
-        for cb in callbacks:
-            cb()
-        for _, status, _ in results:
-            self.count("requests_failed" if status == "failed" else "requests_done")
+        self.results.finish(results, model_updates)  # kept in memory and written later if the store refuses
 
     def _failure(self, e: Exception) -> Encoded:
         if isinstance(e, self.fatal):
