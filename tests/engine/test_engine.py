@@ -267,3 +267,64 @@ def test_a_request_running_when_the_disk_fills_ends_after_space_returns(tmp_path
     finally:
         engine.stop()
         store.close()
+
+
+# ---- issue 12 #8: the store is written outside the engine lock; dedup and seq order still hold ----
+
+def slow_add_future(monkeypatch, store, seconds: float):
+    real = store.add_future
+
+    def add(*args, **kwargs):
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "add_future", add)
+
+
+def test_racing_submits_of_one_key_share_one_future(make_engine, monkeypatch):
+    import threading
+
+    engine = make_engine()
+    slow_add_future(monkeypatch, engine.store, 0.05)
+    ids: list[str] = []
+    threads = [threading.Thread(target=lambda: ids.append(
+        engine.submit("optim_step", types.AdamParams(), "train:a:1", MODEL, 1, "sess-a"))) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(ids) == 6 and len(set(ids)) == 1
+    assert wait_for(lambda: engine.store.future(ids[0]).status == "done", 5.0)
+    time.sleep(0.2)
+    assert engine.backend.steps == [MODEL]  # it ran once
+
+
+def test_a_slow_store_write_does_not_hold_the_engine_lock(make_engine, monkeypatch):
+    import threading
+
+    engine = make_engine()
+    slow_add_future(monkeypatch, engine.store, 1.0)
+    threading.Thread(target=engine.submit, args=("optim_step", types.AdamParams(), "train:a:1", MODEL, 1,
+                                                 "sess-a")).start()
+    time.sleep(0.2)  # the submit is inside the slow write
+    started = time.monotonic()
+    with engine.cond:
+        took = time.monotonic() - started
+    assert took < 0.1, f"the engine lock was held {took:.2f} s across a store write"
+
+
+def test_a_model_unloaded_while_its_request_was_written_fails_that_request(make_engine, monkeypatch):
+    import threading
+
+    engine = make_engine()
+    slow_add_future(monkeypatch, engine.store, 0.5)
+    ids: list[str] = []
+    t = threading.Thread(target=lambda: ids.append(
+        engine.submit("optim_step", types.AdamParams(), "train:a:1", MODEL, 1, "sess-a")))
+    t.start()
+    time.sleep(0.2)
+    with engine.cond:
+        engine.scheduler.drop_model(MODEL)  # as an unload does, while the future is being written
+    t.join()
+    row = engine.store.future(ids[0])
+    assert row.status == "failed" and "not loaded" in json.loads(row.result)["error"]

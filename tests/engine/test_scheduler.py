@@ -304,3 +304,15 @@ def test_non_pass_model_ops_are_singles(kind):
     r = sched.next_round(1.0)
     assert seqs(r.singles) == [(A, 1)] and not any(r.passes.values())
     assert sched.has_ready_passes()
+
+
+def test_max_pass_tokens_splits_a_round():
+    """Issue 12 #12: a round's backend call holds at most max_pass_tokens tokens (an oversized one alone)."""
+    sched = Scheduler(max_pass_datums=100, max_pass_tokens=1000)
+    created(sched, A, B)
+    for seq, tokens in ((1, 600), (2, 300), (3, 200)):
+        sched.add(Op(f"a{seq}", "forward_backward", None, A, seq, None, 1, tokens))
+    sched.add(Op("b1", "forward_backward", None, B, 1, None, 1, 5000))
+    rounds = [sched.next_round(float(t)).passes["forward_backward"] for t in range(1, 5)]
+    assert sorted(sum(op.tokens for op in r) for r in rounds if r) == [200, 900, 5000]
+    assert all(sum(op.tokens for op in r) <= 1000 or len(r) == 1 for r in rounds)

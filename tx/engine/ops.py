@@ -18,6 +18,10 @@ class UserError(ValueError):
     """A request that cannot run as asked: reported to that request's future with category 'user'."""
 
 
+class RequestTooLarge(UserError):
+    """A request over a size limit (the API answers 413)."""
+
+
 @dataclass
 class Datum:
     input_ids: list[int]
@@ -79,3 +83,4 @@ class Op:
     seq_id: int | None = None
     session_id: str | None = None
     size: int = 1  # datums (passes) or sequences (samples): what round limits count
+    tokens: int = 0  # input tokens of a pass: counted against the round's max_pass_tokens

@@ -36,8 +36,10 @@ class _ModelQueue:
 
 
 class Scheduler:
-    def __init__(self, max_pass_datums: int = 4096, max_samples: int = 1024, seq_gap_timeout_s: float = 120.0):
+    def __init__(self, max_pass_datums: int = 4096, max_samples: int = 1024, seq_gap_timeout_s: float = 120.0,
+                 max_pass_tokens: int = 1 << 20):
         self.max_pass_datums = max_pass_datums
+        self.max_pass_tokens = max_pass_tokens
         self.max_samples = max_samples
         self.seq_gap_timeout_s = seq_gap_timeout_s
         self.models: dict[str, _ModelQueue] = {}
@@ -89,6 +91,7 @@ class Scheduler:
     def next_round(self, now: float) -> Round:
         out = Round()
         datums = {k: 0 for k in PASS_KINDS}
+        tokens = {k: 0 for k in PASS_KINDS}
         # start at a different model each round so that no tenant can keep others out of a full round
         order = list(self.models.items())
         self._turn = (self._turn + 1) % max(1, len(order))
@@ -102,10 +105,12 @@ class Scheduler:
                 queue.next_seq += 1
                 continue
             while (op := queue.waiting.get(queue.next_seq)) is not None and op.kind == head.kind:
-                if out.passes[head.kind] and datums[head.kind] + op.size > self.max_pass_datums:
+                if out.passes[head.kind] and (datums[head.kind] + op.size > self.max_pass_datums
+                                              or tokens[head.kind] + op.tokens > self.max_pass_tokens):
                     break
                 out.passes[head.kind].append(queue.waiting.pop(queue.next_seq))
                 datums[head.kind] += op.size
+                tokens[head.kind] += op.tokens
                 queue.next_seq += 1
         out.singles += self.controls  # after the model's own ops taken above (unload comes last)
         self.controls = []
