@@ -28,6 +28,7 @@ from tx.engine.ops import (
     CreateFromStateRequest,
     CreateRequest,
     LoadRequest,
+    RequestTooLarge,
     SampleRequest,
     SaveRequest,
     UserError,
@@ -35,6 +36,7 @@ from tx.engine.ops import (
 from tx.engine.store import Store
 
 logger = logging.getLogger(__name__)
+LARGE_BODY = 1 << 16  # bodies past this many bytes are decoded in a worker thread, not on the event loop
 
 
 class ApiConfig(BaseModel):
@@ -98,7 +100,7 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
             raise ApiError(415, f"Content-Encoding {encoding!r} is not supported (zstd or none)")
         try:
             reader = zstandard.ZstdDecompressor().stream_reader(body)
-            out = reader.read(config.max_decompressed_bytes + 1)
+            out = await io(reader.read, config.max_decompressed_bytes + 1)
         except zstandard.ZstdError as e:
             raise ApiError(400, f"body is not valid zstd: {e}") from None
         if len(out) > config.max_decompressed_bytes:
@@ -108,6 +110,8 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
     async def parse(request: Request, model: type[BaseModel]) -> Any:
         body = await read_body(request)
         try:
+            if len(body) > LARGE_BODY:
+                return await io(model.model_validate_json, body)
             return model.model_validate_json(body or b"{}")
         except ValidationError as e:
             problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors())
@@ -131,15 +135,16 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
             raise ApiError(400, f"{field} {name!r} is not served here; this server serves {served.model_name!r}")
 
     async def submit_training(model_id: str, seq_id: int, kind: str, build: Callable[[], Any], size: int = 1,
-                              session_id: str | None = None) -> dict:
-        """Submit a sequenced op; if `build` refuses the request, its seq_id is still consumed."""
+                              session_id: str | None = None, tokens: int = 0) -> dict:
+        """Submit a sequenced op; if `build` (run in a worker thread) refuses the request, its seq_id is
+        still consumed."""
         key = f"train:{model_id}:{seq_id}"
         try:
-            payload = build()
+            payload = await io(build)
         except (UserError, ValidationError) as e:
             await io(engine.submit, "rejected", str(e), key, model_id, seq_id)
-            raise ApiError(400, str(e)) from None
-        request_id = await io(engine.submit, kind, payload, key, model_id, seq_id, session_id, size)
+            raise ApiError(413 if isinstance(e, RequestTooLarge) else 400, str(e)) from None
+        request_id = await io(engine.submit, kind, payload, key, model_id, seq_id, session_id, size, tokens)
         return {"request_id": request_id, "model_id": model_id}
 
     def checkpoint_location(path: str, kind: str, field: str = "path") -> str:
@@ -160,7 +165,11 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
     @app.post("/api/v1/client/config")
     async def client_config(request: Request):
         await read_body(request)
-        return {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": config.compress_fwdbwd,
+        # the SDK splits a forward_backward into requests of at most these sizes; at 4 bytes or more per
+        # token in its estimate, a request then holds at most max_request_tokens tokens
+        limits = {"fwdbwd_max_chunk_len": min(1024, engine.config.max_pass_datums),
+                  "fwdbwd_max_chunk_bytes_count": min(5_000_000, 4 * engine.config.max_request_tokens)}
+        return {**limits, "pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": config.compress_fwdbwd,
                 "sample_use_retrieve_futures": False, "custom_loss_server_side": False,
                 "sample_join_sampling_session": False}
 
@@ -188,7 +197,7 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
         await parse(request, schemas.FinishSession)
         found(await io(store.session, session_id), f"session_id {session_id!r}")
         if await io(store.end_session, session_id, "finished"):
-            engine.end_session(session_id)
+            await io(engine.end_session, session_id)
         return {}
 
     @app.get("/api/v1/sessions/{session_id}")
@@ -258,18 +267,21 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
 
     @app.post("/api/v1/forward_backward")
     async def forward_backward(request: Request):
-        msg = wire.decode_forward_backward(await read_body(request))
+        msg = await io(wire.decode_forward_backward, await read_body(request))
         if msg.seq_id < 1:
             raise ApiError(400, f"seq_id {msg.seq_id} must be >= 1")
         await live_model(msg.model_id)
 
+        tokens = wire.token_count(msg)
+
         def build():
             if msg.loss_fn not in losses.names():
                 raise UserError(f"loss_fn {msg.loss_fn!r} is not supported; available: {', '.join(losses.names())}")
+            engine.check_pass_size(len(msg.data), tokens)  # before decoding: a huge request is refused cheaply
             return wire.pass_request(msg)
 
         kind = "forward" if msg.forward_only else "forward_backward"
-        return await submit_training(msg.model_id, msg.seq_id, kind, build, size=max(1, len(msg.data)))
+        return await submit_training(msg.model_id, msg.seq_id, kind, build, size=max(1, len(msg.data)), tokens=tokens)
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request):
@@ -411,7 +423,7 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
             key = f"sample:{body.sampling_session_id}:{body.seq_id}"
             if (known := await io(store.future_by_key, key)) is not None:  # a resend: same future, no 429
                 return {"request_id": known, "sample_sequence_ids": [f"{known}:{i}" for i in range(body.num_samples)]}
-        queued = engine.queued_samples()
+        queued = await io(engine.queued_samples)
         if queued and queued + body.num_samples > engine.config.max_queued_samples:
             raise ApiError(429, f"{queued} sequences are queued (limit {engine.config.max_queued_samples}); retry later")
         request_id = await io(engine.submit, "sample", sample, key, None, None, None, body.num_samples)
@@ -430,7 +442,7 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
             def wake() -> None:
                 loop.call_soon_threadsafe(ready.set)
 
-            engine.watch(body.request_id, wake)
+            await io(engine.watch, body.request_id, wake)
             try:
                 row = await io(store.future, body.request_id)  # it may have finished before we watched
                 if row.status == "pending":
@@ -440,7 +452,7 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
                         pass
                     row = await io(store.future, body.request_id)
             finally:
-                engine.unwatch(body.request_id, wake)
+                await io(engine.unwatch, body.request_id, wake)
         if row.status == "pending":
             return {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
         return Response(row.result, media_type=row.content_type)

@@ -147,3 +147,9 @@ def encode_sample(out: types.SampleOutput) -> tuple[str, bytes]:
         if k:
             msg.topk_prompt_logprobs.CopyFrom(_topk(out.topk_prompt_logprobs, k))
     return PROTO, msg.SerializeToString()
+
+
+def token_count(msg: pb.ForwardBackwardRequest) -> int:
+    """Input tokens of every datum, read from the encoded chunk sizes (int32 each) without decoding them."""
+    return sum(len(c.encoded_text.tokens) // 4 for d in msg.data for c in d.model_input
+               if c.WhichOneof("chunk") == "encoded_text")
