@@ -328,3 +328,12 @@ def test_a_model_unloaded_while_its_request_was_written_fails_that_request(make_
     t.join()
     row = engine.store.future(ids[0])
     assert row.status == "failed" and "not loaded" in json.loads(row.result)["error"]
+
+
+def test_a_request_must_fit_one_backend_call():
+    """Issue 12 #12: max_request_tokens above max_pass_tokens is refused, naming both fields."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="max_request_tokens 2000 exceeds max_pass_tokens 1000"):
+        EngineConfig(checkpoint_root="x", max_request_tokens=2000, max_pass_tokens=1000)
+    assert EngineConfig(checkpoint_root="x").max_request_tokens <= EngineConfig(checkpoint_root="x").max_pass_tokens
