@@ -105,8 +105,9 @@ class Engine:
     # ---- submission (API threads) ----
 
     def submit(self, kind: str, payload: Any, dedup_key: str | None = None, model_id: str | None = None,
-               seq_id: int | None = None, session_id: str | None = None, size: int = 1) -> str:
-        """Accept a request: its future's id (the original one for a retried dedup_key)."""
+               seq_id: int | None = None, session_id: str | None = None, size: int = 1,
+               owner: str | None = None) -> str:
+        """Accept a request: its future's id (the original one for a retried dedup_key); `owner`: the tenant."""
         with self.cond:
             if self.error is not None:
                 raise RuntimeError(f"the engine stopped: {self.error}")
@@ -119,7 +120,7 @@ class Engine:
                 if seq_id < expected:
                     raise UserError(f"seq_id {seq_id} of model {model_id} was already passed (next is {expected})")
             try:
-                request_id, _ = self.store.add_future(kind, dedup_key, model_id, session_id)
+                request_id, _ = self.store.add_future(kind, dedup_key, model_id, session_id, owner)
             except sa.exc.IntegrityError:  # the same dedup_key raced in from another thread
                 return self.store.future_by_key(dedup_key)
             self.scheduler.add(Op(request_id, kind, payload, model_id, seq_id, session_id, size))
