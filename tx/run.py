@@ -57,10 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(s, ServiceConfig)
     s.add_argument("--api-key", action="append", default=[],
                    help="accepted X-API-Key (repeatable; also TX_API_KEYS=k1,k2); none on loopback = any key")
-    s.add_argument("--no-auth", action="store_true", help="accept requests without a valid key")
-    add_config_flags(s, ApiConfig, skip=("api_keys", "no_auth"))
+    s.add_argument("--admin-api-key", action="append", default=[],
+                   help="X-API-Key that sees and acts on every tenant's work (repeatable; also TX_ADMIN_API_KEYS)")
+    s.add_argument("--no-auth", action="store_true", help="accept any key; each distinct key is still a tenant")
+    add_config_flags(s, ApiConfig, skip=KEY_FIELDS)
     add_config_flags(s, EngineConfig, skip=("checkpoint_root",))
     return p
+
+
+KEY_FIELDS = ("api_keys", "admin_api_keys", "no_auth")  # flags of their own: repeatable, with env variables
+
+
+def env_list(name: str) -> list[str]:
+    return [k for k in os.environ.get(name, "").split(",") if k]
 
 
 def add_config_flags(group, config: type[BaseModel], skip: tuple[str, ...] = ()) -> None:
@@ -79,13 +88,14 @@ def service_configs(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     def given(names) -> dict:
         return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
-    keys = args.api_key + [k for k in os.environ.get("TX_API_KEYS", "").split(",") if k]
+    keys = args.api_key + env_list("TX_API_KEYS")
+    admin_keys = args.admin_api_key + env_list("TX_ADMIN_API_KEYS")
     engine = given(n for n in EngineConfig.model_fields if n != "checkpoint_root")
     try:
         EngineConfig(checkpoint_root="", **engine)
         return (ServiceConfig(**given(ServiceConfig.model_fields)),
-                ApiConfig(api_keys=keys, no_auth=args.no_auth,
-                          **given(n for n in ApiConfig.model_fields if n not in ("api_keys", "no_auth"))), engine)
+                ApiConfig(api_keys=keys, admin_api_keys=admin_keys, no_auth=args.no_auth,
+                          **given(n for n in ApiConfig.model_fields if n not in KEY_FIELDS)), engine)
     except ValidationError as e:
         parser.error(f"invalid service config: {e}")
 

@@ -127,12 +127,12 @@ def test_new_database_is_created_at_the_current_version(store, url):
 
 
 def test_create_and_read_session(store, clock):
-    sid = store.create_session(["a", "b"], {"k": "v", "n": 1}, "0.38.0", "my run")
+    sid = store.create_session(["a", "b"], {"k": "v", "n": 1}, "0.38.0", "my run", "tenant-a")
     assert sid.startswith("sess-")
     row = store.session(sid)
     assert row == {"session_id": sid, "created_at": 1000.0, "last_heartbeat": 1000.0, "status": "active",
                    "tags": ["a", "b"], "user_metadata": {"k": "v", "n": 1}, "sdk_version": "0.38.0",
-                   "display_name": "my run"}
+                   "display_name": "my run", "owner": "tenant-a"}
     assert store.session("sess-unknown") is None
     other = store.create_session([], {}, None, None)
     assert other != sid
@@ -187,11 +187,11 @@ def test_stale_sessions(store, clock):
 
 
 def test_add_get_update_model(store, clock):
-    store.add_model("s1:train:0", "s1", "Qwen/Qwen3-0.6B", {"rank": 8, "alpha": 8.0}, {"note": "x"})
+    store.add_model("s1:train:0", "s1", "Qwen/Qwen3-0.6B", {"rank": 8, "alpha": 8.0}, {"note": "x"}, "tenant-a")
     row = store.model("s1:train:0")
     assert row == {"model_id": "s1:train:0", "session_id": "s1", "base_model": "Qwen/Qwen3-0.6B",
                    "lora_config": {"rank": 8, "alpha": 8.0}, "user_metadata": {"note": "x"}, "status": "creating",
-                   "created_at": 1000.0, "last_request_time": 1000.0}
+                   "created_at": 1000.0, "last_request_time": 1000.0, "owner": "tenant-a"}
     assert store.model("s1:train:1") is None
     store.update_model("s1:train:0", status="ready", last_request_time=1234.5)
     row = store.model("s1:train:0")
@@ -317,7 +317,7 @@ def test_put_and_get_checkpoint(store):
     put(store, expires_at=2000.0, size_bytes=12 << 30, user_metadata={"step": "10"})
     assert store.checkpoint("m:train:0", "weights", "c1") == {
         "model_id": "m:train:0", "kind": "weights", "name": "c1", "location": "/ck/c1", "created_at": 1000.0,
-        "expires_at": 2000.0, "size_bytes": 12 << 30, "user_metadata": {"step": "10"}}
+        "expires_at": 2000.0, "size_bytes": 12 << 30, "user_metadata": {"step": "10"}, "owner": None}
     assert store.checkpoint("m:train:0", "sampler_weights", "c1") is None  # the key includes the kind
     assert store.checkpoint("m:train:1", "weights", "c1") is None
 
@@ -385,11 +385,71 @@ def test_sampling_sessions(store, clock):
     store.add_sampling_session("s2:sample:0", "s2", "base", None, None)
     assert store.sampling_session("s1:sample:0") == {
         "sampling_session_id": "s1:sample:0", "session_id": "s1", "base_model": "base",
-        "model_path": "tinker://s1:train:0/sampler_weights/x", "location": "/ck/x.tar.gz", "created_at": 1000.0}
+        "model_path": "tinker://s1:train:0/sampler_weights/x", "location": "/ck/x.tar.gz", "created_at": 1000.0,
+        "owner": None}
     assert store.sampling_session("s1:sample:1")["model_path"] is None
     assert store.sampling_session("s1:sample:9") is None
     assert sorted(store.sampling_session_ids("s1")) == ["s1:sample:0", "s1:sample:1"]
     assert store.sampling_session_ids("nobody") == []
+
+
+# ---- tenants ----
+
+
+def test_rows_carry_their_owner_and_listings_filter_by_it(store, clock):
+    """Checkpoints inherit their model's owner, sampling sessions their session's; None lists everyone's."""
+    a = store.create_session([], {}, None, None, "tenant-a")
+    clock.tick()
+    b = store.create_session([], {}, None, None, "tenant-b")
+    store.add_model(f"{a}:train:0", a, "base", {}, {}, "tenant-a")
+    store.add_model(f"{b}:train:0", b, "base", {}, {}, "tenant-b")
+    put(store, model_id=f"{a}:train:0")
+    put(store, model_id=f"{b}:train:0")
+    put(store, model_id="gone:train:0")  # a model the store does not know: nobody's
+    store.add_sampling_session(f"{a}:sample:0", a, "base", None, None)
+    rid, _ = store.add_future("sample", None, owner="tenant-b")
+    assert store.future(rid).owner == "tenant-b"
+    assert store.sampling_session(f"{a}:sample:0")["owner"] == "tenant-a"
+    assert store.checkpoint(f"{b}:train:0", "weights", "c1")["owner"] == "tenant-b"
+    assert store.checkpoint("gone:train:0", "weights", "c1")["owner"] is None
+    assert store.list_sessions(10, 0, "tenant-a") == [a]
+    assert store.list_sessions(10, 0) == [b, a]
+    assert store.list_sessions(10, 0, "tenant-c") == []
+    rows, total = store.list_models(owner="tenant-b")
+    assert total == 1 and [r["model_id"] for r in rows] == [f"{b}:train:0"]
+    rows, total = store.list_checkpoints(owner="tenant-a")
+    assert total == 1 and rows[0]["model_id"] == f"{a}:train:0"
+    assert store.list_checkpoints()[1] == 3
+    assert store.list_checkpoints(f"{a}:train:0", owner="tenant-b") == ([], 0)
+
+
+def test_schema_1_database_gets_owner_columns(url):
+    """A database written by schema 1 (no owner columns) is migrated; its rows belong to nobody."""
+    v1 = sa.MetaData()
+    for table in store_mod.metadata.tables.values():
+        sa.Table(table.name, v1, *[c._copy() for c in table.columns if c.name != "owner"])
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as conn:
+            v1.create_all(conn)
+            conn.execute(v1.tables["tx_schema"].insert().values(version=1))
+            conn.execute(v1.tables["sessions"].insert().values(
+                session_id="sess-old", created_at=1.0, last_heartbeat=1.0, status="active", tags=[], user_metadata={}))
+        assert "owner" not in columns(url, "sessions")
+        s = Store(url)
+        try:
+            assert s.session("sess-old")["owner"] is None
+            assert s.list_sessions(10, 0, "tenant-a") == [] and s.list_sessions(10, 0) == ["sess-old"]
+            new = s.create_session([], {}, None, None, "tenant-a")
+            assert s.list_sessions(10, 0, "tenant-a") == [new]
+        finally:
+            s.close()
+        assert schema_versions(url) == [SCHEMA_VERSION] == [2]
+        for table in store_mod.OWNED_TABLES:
+            assert "owner" in columns(url, table.name)
+            assert f"ix_{table.name}_owner" in {i["name"] for i in sa.inspect(engine).get_indexes(table.name)}
+    finally:
+        engine.dispose()
 
 
 # ---- restarts and schema versions ----

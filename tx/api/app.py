@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from tx import losses, types
 from tx.api import schemas, wire
-from tx.api.common import ApiError, found, str_metadata
+from tx.api.common import ApiError, Tenant, found, owned, page, str_metadata, tenant
 from tx.api.runs import add_run_routes
 from tx.engine import paths
 from tx.engine.engine import Engine
@@ -40,12 +40,20 @@ LARGE_BODY = 1 << 16  # bodies past this many bytes are decoded in a worker thre
 
 
 class ApiConfig(BaseModel):
-    api_keys: list[str] = Field(default_factory=list, description="accepted X-API-Key values")
-    no_auth: bool = Field(False, description="accept requests without a valid key (local use)")
+    api_keys: list[str] = Field(default_factory=list, description="accepted X-API-Key values, one tenant each")
+    admin_api_keys: list[str] = Field(default_factory=list, description="X-API-Key values that see every tenant's work")
+    no_auth: bool = Field(False, description="accept any key (local use): each distinct key value is a tenant")
     max_body_bytes: int = Field(64 << 20, ge=1024, description="largest request body (as sent)")
     max_decompressed_bytes: int = Field(256 << 20, ge=1024, description="largest zstd-decompressed body")
     long_poll_s: float = Field(30.0, gt=0, le=40, description="how long retrieve_future holds a pending request")
     compress_fwdbwd: bool = Field(True, description="ask the SDK to zstd-compress forward_backward bodies")
+    read_timeout_s: float = Field(30.0, gt=0, description="a request's headers must arrive within this many seconds "
+                                  "and its body without a longer pause (slow clients are disconnected)")
+
+
+# Tinker's LoRA alpha: adapters scale by 32 / rank, so the cookbook's learning rates (hyperparam_utils,
+# lora_alpha=32) transfer unchanged and do not depend on the rank.
+TINKER_LORA_ALPHA = 32.0
 
 
 class ServedModel(BaseModel):
@@ -63,6 +71,7 @@ class ServedModel(BaseModel):
 def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedModel) -> FastAPI:
     app = FastAPI(title="tx: Tinker-compatible API", version="0.38")
     io = run_in_threadpool  # store calls block; keep them off the event loop
+    api_keys, admin_keys = set(config.api_keys), set(config.admin_api_keys)
 
     # ---- plumbing: errors, auth, bodies ----
 
@@ -77,9 +86,15 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if request.url.path.startswith("/api/v1/") and request.url.path != "/api/v1/healthz" and not config.no_auth:
-            if request.headers.get("x-api-key") not in config.api_keys:
-                return JSONResponse({"detail": "missing or unknown X-API-Key"}, status_code=401)
+        # Every path but the health check needs a key, /docs and /openapi.json included: the schema is
+        # for clients, and an unknown path answers 401 like a known one (routes are not probed for free).
+        key = request.headers.get("x-api-key") or ""
+        if key in admin_keys:
+            request.state.tenant = Tenant.of_key(key, admin=True)
+        elif key in api_keys or config.no_auth:  # without auth each distinct key (even "") is a tenant
+            request.state.tenant = Tenant.of_key(key)
+        elif request.url.path != "/api/v1/healthz":
+            return JSONResponse({"detail": "missing or unknown X-API-Key"}, status_code=401)
         return await call_next(request)
 
     async def read_body(request: Request) -> bytes:
@@ -117,15 +132,15 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
             problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors())
             raise ApiError(400, f"invalid {model.__name__} request: {problems}") from None
 
-    async def live_model(model_id: str) -> dict:
-        model = found(await io(store.model, model_id), f"model_id {model_id!r}")
+    async def live_model(model_id: str, who: Tenant) -> dict:
+        model = owned(await io(store.model, model_id), who, f"model_id {model_id!r}")
         if model["status"] not in ("creating", "ready"):
             raise ApiError(400, f"model_id {model_id!r} is {model['status']}; create it again (e.g. from a "
                                 "checkpoint with create_training_client_from_state)")
         return model
 
-    async def active_session(session_id: str) -> dict:
-        session = found(await io(store.session, session_id), f"session_id {session_id!r}")
+    async def active_session(session_id: str, who: Tenant) -> dict:
+        session = owned(await io(store.session, session_id), who, f"session_id {session_id!r}")
         if session["status"] != "active":
             raise ApiError(410, f"session {session_id} is {session['status']}")
         return session
@@ -134,27 +149,27 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
         if name is not None and name not in served.aliases:
             raise ApiError(400, f"{field} {name!r} is not served here; this server serves {served.model_name!r}")
 
-    async def submit_training(model_id: str, seq_id: int, kind: str, build: Callable[[], Any], size: int = 1,
-                              session_id: str | None = None, tokens: int = 0) -> dict:
+    async def submit_training(model_id: str, seq_id: int, kind: str, build: Callable[[], Any], who: Tenant,
+                              size: int = 1, session_id: str | None = None, tokens: int = 0) -> dict:
         """Submit a sequenced op; if `build` (run in a worker thread) refuses the request, its seq_id is
         still consumed."""
         key = f"train:{model_id}:{seq_id}"
         try:
             payload = await io(build)
-        except (UserError, ValidationError) as e:
-            await io(engine.submit, "rejected", str(e), key, model_id, seq_id)
-            raise ApiError(413 if isinstance(e, RequestTooLarge) else 400, str(e)) from None
-        request_id = await io(engine.submit, kind, payload, key, model_id, seq_id, session_id, size, tokens)
+        except (UserError, ValidationError, ApiError) as e:
+            await io(engine.submit, "rejected", str(e), key, model_id, seq_id, owner=who.id)
+            status = e.status if isinstance(e, ApiError) else 413 if isinstance(e, RequestTooLarge) else 400
+            raise ApiError(status, str(e)) from None
+        request_id = await io(engine.submit, kind, payload, key, model_id, seq_id, session_id, size, tokens,
+                              owner=who.id)
         return {"request_id": request_id, "model_id": model_id}
 
-    def checkpoint_location(path: str, kind: str, field: str = "path") -> str:
+    def checkpoint_location(path: str, kind: str, who: Tenant, field: str = "path") -> str:
+        """Where the files of `who`'s checkpoint `path` are; another tenant's answers 404 like a missing one."""
         model_id, found_kind, name = paths.parse_tinker_path(path, field)
         if found_kind != kind:
             raise UserError(f"{field} {path!r} is a {found_kind} checkpoint; this call needs {kind}")
-        row = store.checkpoint(model_id, kind, name)
-        if row is None:
-            raise UserError(f"{field}: checkpoint {path} not found")
-        return row["location"]
+        return owned(store.checkpoint(model_id, kind, name), who, f"{field}: checkpoint {path}")["location"]
 
     # ---- configuration, sessions, telemetry ----
 
@@ -181,12 +196,14 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
     @app.post("/api/v1/create_session")
     async def create_session(request: Request):
         body = await parse(request, schemas.CreateSession)
-        session_id = await io(store.create_session, body.tags, body.user_metadata, body.sdk_version, body.display_name)
+        session_id = await io(store.create_session, body.tags, body.user_metadata, body.sdk_version, body.display_name,
+                              tenant(request).id)
         return {"session_id": session_id, "type": "create_session"}
 
     @app.post("/api/v1/session_heartbeat")
     async def session_heartbeat(request: Request):
         body = await parse(request, schemas.SessionRef)
+        owned(await io(store.session, body.session_id), tenant(request), f"session_id {body.session_id!r}")
         status = found(await io(store.heartbeat, body.session_id), f"session_id {body.session_id!r}")
         if status != "active":
             raise ApiError(410, f"session {body.session_id} is {status}")
@@ -195,22 +212,22 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
     @app.post("/api/v1/sessions/{session_id}/finish")
     async def finish_session(session_id: str, request: Request):
         await parse(request, schemas.FinishSession)
-        found(await io(store.session, session_id), f"session_id {session_id!r}")
+        owned(await io(store.session, session_id), tenant(request), f"session_id {session_id!r}")
         if await io(store.end_session, session_id, "finished"):
             await io(engine.end_session, session_id)
         return {}
 
     @app.get("/api/v1/sessions/{session_id}")
-    async def get_session(session_id: str):
-        session = found(await io(store.session, session_id), f"session_id {session_id!r}")
+    async def get_session(session_id: str, request: Request):
+        session = owned(await io(store.session, session_id), tenant(request), f"session_id {session_id!r}")
         models, _ = await io(store.list_models, 1000, 0, session_id)
         return {"training_run_ids": [m["model_id"] for m in models],
                 "sampler_ids": await io(store.sampling_session_ids, session_id),
                 "user_metadata": session["user_metadata"], "display_name": session["display_name"]}
 
     @app.get("/api/v1/sessions")
-    async def list_sessions(limit: int = 20, offset: int = 0):
-        return {"sessions": await io(store.list_sessions, limit, offset)}
+    async def list_sessions(request: Request, limit: int = 20, offset: int = 0):
+        return {"sessions": await io(store.list_sessions, *page(limit, offset), tenant(request).filter)}
 
     @app.post("/api/v1/telemetry")
     async def telemetry(request: Request):
@@ -232,7 +249,8 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
     @app.post("/api/v1/create_model")
     async def create_model(request: Request):
         body = await parse(request, schemas.CreateModel)
-        await active_session(body.session_id)
+        who = tenant(request)
+        await active_session(body.session_id, who)
         check_base_model(body.base_model)
         if body.optimizer_config.type != "adamw":
             raise ApiError(400, f"optimizer_config.type {body.optimizer_config.type!r} is not supported (adamw only)")
@@ -240,7 +258,7 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
         if lora.rank > served.max_lora_rank:
             raise ApiError(400, f"lora_config.rank {lora.rank} exceeds this server's max_lora_rank {served.max_lora_rank}")
         try:
-            lora_config = types.LoraConfig(rank=lora.rank, alpha=float(lora.rank), seed=lora.seed,
+            lora_config = types.LoraConfig(rank=lora.rank, alpha=TINKER_LORA_ALPHA, seed=lora.seed,
                                            train_attn=lora.train_attn, train_mlp=lora.train_mlp,
                                            train_unembed=lora.train_unembed)
         except ValidationError as e:
@@ -252,15 +270,15 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
         if await io(store.model, model_id) is not None:
             raise ApiError(400, f"model_seq_id {body.model_seq_id} of session {body.session_id} is already used")
         await io(store.add_model, model_id, body.session_id, served.model_name, lora_config.model_dump(),
-                 body.user_metadata or {})
+                 body.user_metadata or {}, who.id)
         request_id = await io(engine.submit, "create_model", CreateRequest(lora_config), key, model_id, 0,
-                              body.session_id)
+                              body.session_id, owner=who.id)
         return {"request_id": request_id, "model_id": model_id}
 
     @app.post("/api/v1/get_info")
     async def get_info(request: Request):
         body = await parse(request, schemas.ModelRef)
-        model = found(await io(store.model, body.model_id), f"model_id {body.model_id!r}")
+        model = owned(await io(store.model, body.model_id), tenant(request), f"model_id {body.model_id!r}")
         return {"model_id": body.model_id, "model_name": served.model_name, "is_lora": True,
                 "lora_rank": model["lora_config"]["rank"], "optimizer_config": {"type": "adamw"}, "type": "get_info",
                 "model_data": {"arch": served.arch, "model_name": served.model_name, "tokenizer_id": served.tokenizer_id}}
@@ -270,7 +288,8 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
         msg = await io(wire.decode_forward_backward, await read_body(request))
         if msg.seq_id < 1:
             raise ApiError(400, f"seq_id {msg.seq_id} must be >= 1")
-        await live_model(msg.model_id)
+        who = tenant(request)
+        await live_model(msg.model_id, who)
 
         tokens = wire.token_count(msg)
 
@@ -281,31 +300,35 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
             return wire.pass_request(msg)
 
         kind = "forward" if msg.forward_only else "forward_backward"
-        return await submit_training(msg.model_id, msg.seq_id, kind, build, size=max(1, len(msg.data)), tokens=tokens)
+        return await submit_training(msg.model_id, msg.seq_id, kind, build, who, size=max(1, len(msg.data)),
+                                     tokens=tokens)
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request):
         body = await parse(request, schemas.OptimStep)
-        await live_model(body.model_id)
+        who = tenant(request)
+        await live_model(body.model_id, who)
 
         def build():
             if body.adam_params is None:
                 raise UserError("only AdamW is supported: send adam_params")
             return types.AdamParams(**body.adam_params.model_dump())
 
-        return await submit_training(body.model_id, body.seq_id, "optim_step", build)
+        return await submit_training(body.model_id, body.seq_id, "optim_step", build, who)
 
     @app.post("/api/v1/save_weights")
     async def save_weights(request: Request):
         body = await parse(request, schemas.SaveWeights)
-        await live_model(body.model_id)
+        who = tenant(request)
+        await live_model(body.model_id, who)
         return await submit_training(body.model_id, body.seq_id, "save_weights", lambda: SaveRequest(
-            paths.check_name(body.path), body.ttl_seconds, str_metadata(body.user_metadata)))
+            paths.check_name(body.path), body.ttl_seconds, str_metadata(body.user_metadata)), who)
 
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request):
         body = await parse(request, schemas.SaveWeightsForSampler)
-        model = await live_model(body.model_id)
+        who = tenant(request)
+        model = await live_model(body.model_id, who)
 
         def build():
             if body.path is not None:
@@ -315,53 +338,58 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
             sid = paths.sampling_session_id_of(model["session_id"], body.sampling_session_seq_id)
             return SaveRequest(None, sampling_session_id=sid)
 
-        return await submit_training(body.model_id, body.seq_id, "save_weights_for_sampler", build,
+        return await submit_training(body.model_id, body.seq_id, "save_weights_for_sampler", build, who,
                                      session_id=model["session_id"])
 
     @app.post("/api/v1/save_weights_external")
     async def save_weights_external(request: Request):
         body = await parse(request, schemas.SaveWeights)
-        await live_model(body.model_id)
+        who = tenant(request)
+        await live_model(body.model_id, who)
 
         def refuse():
             raise UserError("save_weights_external is not supported by this server; save_weights_for_sampler "
                             "writes a PEFT adapter under the server's checkpoint root")
 
-        return await submit_training(body.model_id, body.seq_id, "save_weights_external", refuse)
+        return await submit_training(body.model_id, body.seq_id, "save_weights_external", refuse, who)
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request):
         body = await parse(request, schemas.LoadWeights)
+        who = tenant(request)
         if body.model_id is not None:  # legacy in-place load, sequenced like any training op
             if body.seq_id is None:
                 raise ApiError(400, "load_weights with model_id needs seq_id")
-            await live_model(body.model_id)
+            await live_model(body.model_id, who)
             return await submit_training(body.model_id, body.seq_id, "load_weights", lambda: LoadRequest(
-                checkpoint_location(body.path, "weights"), body.optimizer))
+                checkpoint_location(body.path, "weights", who), body.optimizer), who)
         if body.session_id is None or body.model_seq_id is None:
             raise ApiError(400, "load_weights needs model_id and seq_id, or session_id and model_seq_id")
-        await active_session(body.session_id)
+        await active_session(body.session_id, who)
         check_base_model(body.base_model)
         model_id = paths.model_id_of(body.session_id, body.model_seq_id)
         key = f"create:{body.session_id}:{body.model_seq_id}"
         if (known := await io(store.future_by_key, key)) is not None:
             return {"request_id": known, "model_id": model_id}
         source_id = paths.parse_tinker_path(body.path)[0]
-        location = await io(checkpoint_location, body.path, "weights")
+        location = await io(checkpoint_location, body.path, "weights", who)
         source = await io(store.model, source_id)
         if await io(store.model, model_id) is not None:
             raise ApiError(400, f"model_seq_id {body.model_seq_id} of session {body.session_id} is already used")
         await io(store.add_model, model_id, body.session_id, served.model_name,
-                 source["lora_config"] if source else {}, body.user_metadata or (source or {}).get("user_metadata") or {})
+                 source["lora_config"] if source else {}, body.user_metadata or (source or {}).get("user_metadata") or {},
+                 who.id)
         request_id = await io(engine.submit, "create_from_state", CreateFromStateRequest(location, body.optimizer), key,
-                              model_id, 0, body.session_id)
+                              model_id, 0, body.session_id, owner=who.id)
         return {"request_id": request_id, "model_id": model_id}
 
     @app.post("/api/v1/unload_model")
     async def unload_model(request: Request):
         body = await parse(request, schemas.ModelRef)
-        await live_model(body.model_id)
-        request_id = await io(engine.submit, "unload_model", None, f"unload:{body.model_id}", body.model_id)
+        who = tenant(request)
+        await live_model(body.model_id, who)
+        request_id = await io(engine.submit, "unload_model", None, f"unload:{body.model_id}", body.model_id,
+                              owner=who.id)
         return {"request_id": request_id, "model_id": body.model_id}
 
     # ---- sampling ----
@@ -369,31 +397,37 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
     @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request):
         body = await parse(request, schemas.CreateSamplingSession)
-        await active_session(body.session_id)
+        who = tenant(request)
+        await active_session(body.session_id, who)
         if body.model_path is None and body.base_model is None:
             raise ApiError(400, "create_sampling_session needs model_path or base_model")
         check_base_model(body.base_model)
         location = None
         if body.model_path is not None:
-            location = await io(checkpoint_location, body.model_path, "sampler_weights", "model_path")
+            location = await io(checkpoint_location, body.model_path, "sampler_weights", who, "model_path")
         sid = paths.sampling_session_id_of(body.session_id, body.sampling_session_seq_id)
         await io(store.add_sampling_session, sid, body.session_id, served.model_name, body.model_path, location)
         return {"sampling_session_id": sid, "type": "create_sampling_session"}
 
     @app.get("/api/v1/samplers/{sampling_session_id}")
-    async def get_sampler(sampling_session_id: str):
-        row = found(await io(store.sampling_session, sampling_session_id), f"sampler {sampling_session_id!r}")
+    async def get_sampler(sampling_session_id: str, request: Request):
+        row = owned(await io(store.sampling_session, sampling_session_id), tenant(request),
+                    f"sampler {sampling_session_id!r}")
         return {"sampler_id": sampling_session_id, "base_model": row["base_model"], "model_path": row["model_path"]}
 
     @app.post("/api/v1/asample")
     async def asample(request: Request):
         body = await parse(request, schemas.Sample)
+        who = tenant(request)
         if body.sampling_session_id is not None:
-            row = found(await io(store.sampling_session, body.sampling_session_id),
+            row = owned(await io(store.sampling_session, body.sampling_session_id), who,
                         f"sampling_session_id {body.sampling_session_id!r}")
             location = row["location"] or ""
+            if row["model_path"] is not None:  # its checkpoint may have been deleted since: refuse, do not serve
+                location = await io(checkpoint_location, row["model_path"], "sampler_weights", who,
+                                    f"sampling session {body.sampling_session_id}'s model_path")
         elif body.model_path is not None:
-            location = await io(checkpoint_location, body.model_path, "sampler_weights", "model_path")
+            location = await io(checkpoint_location, body.model_path, "sampler_weights", who, "model_path")
         else:
             check_base_model(body.base_model)
             location = ""
@@ -426,7 +460,8 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
         queued = await io(engine.queued_samples)
         if queued and queued + body.num_samples > engine.config.max_queued_samples:
             raise ApiError(429, f"{queued} sequences are queued (limit {engine.config.max_queued_samples}); retry later")
-        request_id = await io(engine.submit, "sample", sample, key, None, None, None, body.num_samples)
+        request_id = await io(engine.submit, "sample", sample, key, None, None, None, body.num_samples,
+                              owner=who.id)
         return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(body.num_samples)]}
 
     # ---- futures ----
@@ -434,7 +469,7 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request):
         body = await parse(request, schemas.RetrieveFuture)
-        row = found(await io(store.future, body.request_id), f"request_id {body.request_id!r}")
+        row = owned(await io(store.future, body.request_id), tenant(request), f"request_id {body.request_id!r}")
         if row.status == "pending":
             loop = asyncio.get_running_loop()
             ready = asyncio.Event()

@@ -1,9 +1,15 @@
-"""What the API modules share: the HTTP error type and small JSON helpers."""
+"""What the API modules share: the HTTP error type, tenants, listing bounds and small JSON helpers."""
 
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
+from dataclasses import dataclass
+
+from fastapi import Request
+
+MAX_LIMIT = 1000
 
 
 class ApiError(Exception):
@@ -17,6 +23,45 @@ def found(value, what: str):
     if value is None:
         raise ApiError(404, f"{what} not found")
     return value
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Who is calling: `id` is the SHA-256 hex digest of the API key (what the store keeps as `owner`)."""
+
+    id: str
+    admin: bool = False
+
+    @staticmethod
+    def of_key(key: str, admin: bool = False) -> Tenant:
+        return Tenant(hashlib.sha256(key.encode()).hexdigest(), admin)
+
+    @property
+    def filter(self) -> str | None:
+        """The store's `owner` filter for listings: None (all tenants) for an admin."""
+        return None if self.admin else self.id
+
+    def sees(self, owner: str | None) -> bool:
+        return self.admin or owner == self.id
+
+
+def tenant(request: Request) -> Tenant:
+    return request.state.tenant
+
+
+def owned(row, who: Tenant, what: str):
+    """`row` if it exists and `who` may see it, else the same 404 as for an unknown id (ids do not leak)."""
+    owner = None if row is None else (row["owner"] if isinstance(row, dict) else row.owner)
+    return found(row if row is not None and who.sees(owner) else None, what)
+
+
+def page(limit: int, offset: int) -> tuple[int, int]:
+    """Listing bounds, checked: 1 <= limit <= MAX_LIMIT, offset >= 0."""
+    if not 1 <= limit <= MAX_LIMIT:
+        raise ApiError(400, f"limit {limit} must be between 1 and {MAX_LIMIT}")
+    if offset < 0:
+        raise ApiError(400, f"offset {offset} must be >= 0")
+    return limit, offset
 
 
 def iso(ts: float | None) -> str | None:

@@ -8,7 +8,7 @@ from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
 from tx.api import schemas
-from tx.api.common import ApiError, found, iso, str_metadata
+from tx.api.common import Tenant, found, iso, owned, page, str_metadata, tenant
 from tx.engine import paths
 from tx.engine.engine import Engine
 from tx.engine.store import Store
@@ -21,9 +21,9 @@ def add_run_routes(app: FastAPI, store: Store, engine: Engine, parse) -> None:
     async def weights_info(request: Request):
         body = await parse(request, schemas.WeightsInfo)
         model_id, kind, name = paths.parse_tinker_path(body.tinker_path, "tinker_path")
-        model = await io(store.model, model_id)
-        if model is None or await io(store.checkpoint, model_id, kind, name) is None:
-            raise ApiError(404, f"checkpoint {body.tinker_path} not found")
+        what = f"checkpoint {body.tinker_path}"
+        model = owned(await io(store.model, model_id), tenant(request), what)
+        owned(await io(store.checkpoint, model_id, kind, name), tenant(request), what)
         lora = model["lora_config"]
         return {"base_model": model["base_model"], "optimizer_config": {"type": "adamw"}, "is_lora": True,
                 "lora_rank": lora.get("rank"), "train_unembed": lora.get("train_unembed"),
@@ -46,29 +46,29 @@ def add_run_routes(app: FastAPI, store: Store, engine: Engine, parse) -> None:
                 "last_checkpoint": last["weights"], "last_sampler_checkpoint": last["sampler_weights"],
                 "user_metadata": str_metadata(model["user_metadata"])}
 
-    def run_or_404(run_id: str) -> dict:
-        return found(store.model(run_id), f"training run {run_id!r}")
+    def run_or_404(run_id: str, who: Tenant) -> dict:
+        return owned(store.model(run_id), who, f"training run {run_id!r}")
 
     @app.get("/api/v1/training_runs")
-    async def list_training_runs(limit: int = 20, offset: int = 0):
-        models, total = await io(store.list_models, limit, offset)
+    async def list_training_runs(request: Request, limit: int = 20, offset: int = 0):
+        models, total = await io(store.list_models, *page(limit, offset), None, tenant(request).filter)
         runs = [await io(training_run_json, m) for m in models]
         return {"training_runs": runs, "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
     @app.get("/api/v1/training_runs/{run_id}")
-    async def get_training_run(run_id: str):
-        return await io(training_run_json, await io(run_or_404, run_id))
+    async def get_training_run(run_id: str, request: Request):
+        return await io(training_run_json, await io(run_or_404, run_id, tenant(request)))
 
     @app.get("/api/v1/training_runs/{run_id}/checkpoints")
-    async def list_run_checkpoints(run_id: str):
-        await io(run_or_404, run_id)
+    async def list_run_checkpoints(run_id: str, request: Request):
+        await io(run_or_404, run_id, tenant(request))
         rows, total = await io(store.list_checkpoints, run_id)
         return {"checkpoints": [checkpoint_json(r) for r in rows],
                 "cursor": {"offset": 0, "limit": len(rows), "total_count": total}}
 
     @app.get("/api/v1/checkpoints")
-    async def list_all_checkpoints(limit: int = 100, offset: int = 0):
-        rows, total = await io(store.list_checkpoints, None, limit, offset)
+    async def list_all_checkpoints(request: Request, limit: int = 100, offset: int = 0):
+        rows, total = await io(store.list_checkpoints, None, *page(limit, offset), tenant(request).filter)
         return {"checkpoints": [checkpoint_json(r) for r in rows],
                 "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
@@ -76,9 +76,9 @@ def add_run_routes(app: FastAPI, store: Store, engine: Engine, parse) -> None:
         return paths.parse_tinker_path(paths.tinker_path(run_id, kind, name), "checkpoint")
 
     @app.delete("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}")
-    async def delete_checkpoint(run_id: str, kind: str, name: str):
+    async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request):
         key = checkpoint_key(run_id, kind, name)
-        row = found(await io(store.checkpoint, *key), f"checkpoint {kind}/{name} of {run_id}")
+        row = owned(await io(store.checkpoint, *key), tenant(request), f"checkpoint {kind}/{name} of {run_id}")
         await io(store.delete_checkpoint, *key)
         await io(engine._delete_checkpoint_files, row["location"])
         return {}
@@ -86,7 +86,9 @@ def add_run_routes(app: FastAPI, store: Store, engine: Engine, parse) -> None:
     @app.put("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl")
     async def set_ttl(run_id: str, kind: str, name: str, request: Request):
         body = await parse(request, schemas.CheckpointTtl)
+        key = checkpoint_key(run_id, kind, name)
+        what = f"checkpoint {kind}/{name} of {run_id}"
+        owned(await io(store.checkpoint, *key), tenant(request), what)
         expires = None if body.ttl_seconds is None else time.time() + body.ttl_seconds
-        if not await io(store.set_checkpoint_expiry, *checkpoint_key(run_id, kind, name), expires):
-            raise ApiError(404, f"checkpoint {kind}/{name} of {run_id} not found")
+        found(await io(store.set_checkpoint_expiry, *key, expires) or None, what)
         return {}

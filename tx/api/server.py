@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field
 
 from tx.api import wire
 from tx.api.app import ApiConfig, ServedModel, create_app
+from tx.api.timeouts import timed_protocol
 from tx.engine.engine import Engine, EngineConfig
 from tx.engine.store import Store, database_url
 from tx.models.loading import resolve_model_dir
@@ -51,7 +52,7 @@ def serve(backend, base_model: str, model_dir: str, service: ServiceConfig, engi
           api: ApiConfig, fatal: tuple[type[BaseException], ...] = ()) -> None:
     import uvicorn
 
-    if not api.api_keys and not api.no_auth:
+    if not api.api_keys and not api.admin_api_keys and not api.no_auth:
         if not is_loopback(service.host):
             raise SystemExit(f"refusing to serve on {service.host} without API keys: pass --api-key (or "
                              "TX_API_KEYS) or --no-auth")
@@ -64,7 +65,7 @@ def serve(backend, base_model: str, model_dir: str, service: ServiceConfig, engi
                     wire.encode_pass, wire.encode_sample, fatal=fatal)
     app = create_app(engine, store, api, served)
     server = uvicorn.Server(uvicorn.Config(app, host=service.host, port=service.port, log_level="warning",
-                                           timeout_keep_alive=75))
+                                           timeout_keep_alive=75, http=timed_protocol(api.read_timeout_s)))
     engine.on_fatal = lambda: setattr(server, "should_exit", True)
     engine.start()
     logger.info(json.dumps({"event": "serving", "url": f"http://{service.host}:{service.port}",

@@ -132,9 +132,11 @@ class Engine:
                                   f"{c.max_request_tokens} (the SDK splits larger batches)")
 
     def submit(self, kind: str, payload: Any, dedup_key: str | None = None, model_id: str | None = None,
-               seq_id: int | None = None, session_id: str | None = None, size: int = 1, tokens: int = 0) -> str:
+               seq_id: int | None = None, session_id: str | None = None, size: int = 1, tokens: int = 0,
+               owner: str | None = None) -> str:
         """Accept a request: its future's id (the original one for a retried dedup_key). The store is
-        written outside the engine lock, so a slow database never stalls the engine or other submits."""
+        written outside the engine lock, so a slow database never stalls the engine or other submits.
+        `owner`: the tenant that sent it."""
         with self.cond:
             if self.error is not None:
                 raise RuntimeError(f"the engine stopped: {self.error}")
@@ -143,7 +145,7 @@ class Engine:
         with self.cond:
             self._check_seq(kind, model_id, seq_id)
         try:
-            request_id, created = self.store.add_future(kind, dedup_key, model_id, session_id)
+            request_id, created = self.store.add_future(kind, dedup_key, model_id, session_id, owner)
         except sa.exc.IntegrityError:  # the same dedup_key raced in from another thread
             return self.store.future_by_key(dedup_key)
         if not created:

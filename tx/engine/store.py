@@ -4,6 +4,9 @@ SQLAlchemy Core over SQLite (default; a file under the data directory, WAL mode 
 never wait on the engine's writer) or PostgreSQL (`--database-url postgresql+psycopg://...`). The schema
 carries a version row: a new database is created at the current version, an older one is migrated by
 the steps in `MIGRATIONS`, a newer one is refused.
+
+Every row carries its tenant: `owner`, a SHA-256 hex digest of the API key that created it (keys are
+never stored). Rows from before schema 2 have no owner: only an admin key sees them.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 metadata = sa.MetaData()
 
@@ -35,6 +38,7 @@ sessions = sa.Table(
     sa.Column("user_metadata", sa.JSON, nullable=False),
     sa.Column("sdk_version", sa.String(64)),
     sa.Column("display_name", sa.String(256)),
+    sa.Column("owner", sa.String(64), index=True),
 )
 
 models = sa.Table(
@@ -48,6 +52,7 @@ models = sa.Table(
     sa.Column("status", sa.String(16), nullable=False),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("last_request_time", sa.Float, nullable=False),
+    sa.Column("owner", sa.String(64), index=True),
 )
 
 futures = sa.Table(
@@ -63,6 +68,7 @@ futures = sa.Table(
     sa.Column("result", sa.LargeBinary),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("finished_at", sa.Float),
+    sa.Column("owner", sa.String(64), index=True),
 )
 
 checkpoints = sa.Table(
@@ -75,6 +81,7 @@ checkpoints = sa.Table(
     sa.Column("expires_at", sa.Float),
     sa.Column("size_bytes", sa.BigInteger),
     sa.Column("user_metadata", sa.JSON, nullable=False),
+    sa.Column("owner", sa.String(64), index=True),  # the model's owner
 )
 
 sampling_sessions = sa.Table(
@@ -85,10 +92,23 @@ sampling_sessions = sa.Table(
     sa.Column("model_path", sa.String(1024)),  # tinker:// path, None = the base model
     sa.Column("location", sa.String(1024)),  # the sampler checkpoint the backend reads
     sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("owner", sa.String(64), index=True),  # the session's owner
 )
 
+OWNED_TABLES = (sessions, models, futures, checkpoints, sampling_sessions)
+
+
+def _add_owner_columns(conn: Connection) -> None:
+    """Schema 1 -> 2: a nullable `owner` on every table (existing rows: no owner, admin only)."""
+    for table in OWNED_TABLES:
+        conn.exec_driver_sql(f"ALTER TABLE {table.name} ADD COLUMN owner VARCHAR(64)")
+        for index in table.indexes:
+            if "owner" in index.columns:
+                index.create(conn)
+
+
 # version -> function upgrading a database from `version` to `version + 1`
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _add_owner_columns}
 
 
 class SchemaError(RuntimeError):
@@ -103,6 +123,7 @@ class FutureRow:
     status: str
     content_type: str | None
     result: bytes | None
+    owner: str | None = None
 
 
 def database_url(data_dir: Path, url: str | None) -> str:
@@ -170,13 +191,13 @@ class Store:
     # ---- sessions ----
 
     def create_session(self, tags: list[str], user_metadata: dict, sdk_version: str | None,
-                       display_name: str | None) -> str:
+                       display_name: str | None, owner: str | None = None) -> str:
         session_id = f"sess-{uuid.uuid4().hex[:16]}"
         now = time.time()
         with self.engine.begin() as conn:
             conn.execute(sessions.insert().values(
                 session_id=session_id, created_at=now, last_heartbeat=now, status="active", tags=tags,
-                user_metadata=user_metadata, sdk_version=sdk_version, display_name=display_name))
+                user_metadata=user_metadata, sdk_version=sdk_version, display_name=display_name, owner=owner))
         return session_id
 
     def session(self, session_id: str) -> dict | None:
@@ -184,9 +205,10 @@ class Store:
             row = conn.execute(sessions.select().where(sessions.c.session_id == session_id)).mappings().first()
         return dict(row) if row else None
 
-    def list_sessions(self, limit: int, offset: int) -> list[str]:
+    def list_sessions(self, limit: int, offset: int, owner: str | None = None) -> list[str]:
+        """Newest first; `owner` None = every tenant's (admin)."""
         with self._reads.connect() as conn:
-            q = sa.select(sessions.c.session_id).order_by(sessions.c.created_at.desc()).limit(limit).offset(offset)
+            q = sa.select(sessions.c.session_id).where(*_of(sessions, owner)).order_by(sessions.c.created_at.desc()).limit(limit).offset(offset)
             return list(conn.execute(q).scalars())
 
     def heartbeat(self, session_id: str) -> str | None:
@@ -214,21 +236,22 @@ class Store:
     # ---- models ----
 
     def add_model(self, model_id: str, session_id: str, base_model: str, lora_config: dict,
-                  user_metadata: dict) -> None:
+                  user_metadata: dict, owner: str | None = None) -> None:
         now = time.time()
         with self.engine.begin() as conn:
             conn.execute(models.insert().values(
                 model_id=model_id, session_id=session_id, base_model=base_model, lora_config=lora_config,
-                user_metadata=user_metadata, status="creating", created_at=now, last_request_time=now))
+                user_metadata=user_metadata, status="creating", created_at=now, last_request_time=now, owner=owner))
 
     def model(self, model_id: str) -> dict | None:
         with self._reads.connect() as conn:
             row = conn.execute(models.select().where(models.c.model_id == model_id)).mappings().first()
         return dict(row) if row else None
 
-    def list_models(self, limit: int = 1000, offset: int = 0, session_id: str | None = None) -> tuple[list[dict], int]:
+    def list_models(self, limit: int = 1000, offset: int = 0, session_id: str | None = None,
+                    owner: str | None = None) -> tuple[list[dict], int]:
         with self._reads.connect() as conn:
-            where = [] if session_id is None else [models.c.session_id == session_id]
+            where = _of(models, owner) + ([] if session_id is None else [models.c.session_id == session_id])
             total = conn.execute(sa.select(sa.func.count()).select_from(models).where(*where)).scalar()
             q = models.select().where(*where).order_by(models.c.created_at.desc()).limit(limit).offset(offset)
             return [dict(r) for r in conn.execute(q).mappings()], total
@@ -244,7 +267,7 @@ class Store:
     # ---- futures ----
 
     def add_future(self, kind: str, dedup_key: str | None, model_id: str | None = None,
-                   session_id: str | None = None) -> tuple[str, bool]:
+                   session_id: str | None = None, owner: str | None = None) -> tuple[str, bool]:
         """A new pending future, or (when `dedup_key` was seen before) the original one: (id, created)."""
         request_id = f"req-{uuid.uuid4().hex}"
         with self.engine.begin() as conn:
@@ -254,7 +277,7 @@ class Store:
                     return found, False
             conn.execute(futures.insert().values(
                 request_id=request_id, kind=kind, dedup_key=dedup_key, model_id=model_id, session_id=session_id,
-                status="pending", created_at=time.time()))
+                status="pending", created_at=time.time(), owner=owner))
         return request_id, True
 
     def future(self, request_id: str) -> FutureRow | None:
@@ -263,7 +286,7 @@ class Store:
         if row is None:
             return None
         return FutureRow(row["request_id"], row["kind"], row["model_id"], row["status"], row["content_type"],
-                         row["result"])
+                         row["result"], row["owner"])
 
     def future_by_key(self, dedup_key: str) -> str | None:
         with self._reads.connect() as conn:
@@ -295,9 +318,10 @@ class Store:
         with self.engine.begin() as conn:
             key = (checkpoints.c.model_id == model_id, checkpoints.c.kind == kind, checkpoints.c.name == name)
             conn.execute(checkpoints.delete().where(*key))
+            owner = conn.execute(sa.select(models.c.owner).where(models.c.model_id == model_id)).scalar()
             conn.execute(checkpoints.insert().values(
                 model_id=model_id, kind=kind, name=name, location=location, created_at=time.time(),
-                expires_at=expires_at, size_bytes=size_bytes, user_metadata=user_metadata))
+                expires_at=expires_at, size_bytes=size_bytes, user_metadata=user_metadata, owner=owner))
 
     def checkpoint(self, model_id: str, kind: str, name: str) -> dict | None:
         with self._reads.connect() as conn:
@@ -306,8 +330,9 @@ class Store:
             )).mappings().first()
         return dict(row) if row else None
 
-    def list_checkpoints(self, model_id: str | None = None, limit: int = 1000, offset: int = 0) -> tuple[list[dict], int]:
-        where = [] if model_id is None else [checkpoints.c.model_id == model_id]
+    def list_checkpoints(self, model_id: str | None = None, limit: int = 1000, offset: int = 0,
+                         owner: str | None = None) -> tuple[list[dict], int]:
+        where = _of(checkpoints, owner) + ([] if model_id is None else [checkpoints.c.model_id == model_id])
         with self._reads.connect() as conn:
             total = conn.execute(sa.select(sa.func.count()).select_from(checkpoints).where(*where)).scalar()
             q = checkpoints.select().where(*where).order_by(checkpoints.c.created_at.desc()).limit(limit).offset(offset)
@@ -339,9 +364,10 @@ class Store:
             exists = conn.execute(sa.select(sampling_sessions.c.sampling_session_id).where(
                 sampling_sessions.c.sampling_session_id == sampling_session_id)).scalar()
             if exists is None:
+                owner = conn.execute(sa.select(sessions.c.owner).where(sessions.c.session_id == session_id)).scalar()
                 conn.execute(sampling_sessions.insert().values(
                     sampling_session_id=sampling_session_id, session_id=session_id, base_model=base_model,
-                    model_path=model_path, location=location, created_at=time.time()))
+                    model_path=model_path, location=location, created_at=time.time(), owner=owner))
 
     def sampling_session(self, sampling_session_id: str) -> dict | None:
         with self._reads.connect() as conn:
@@ -353,3 +379,8 @@ class Store:
         with self._reads.connect() as conn:
             return list(conn.execute(sa.select(sampling_sessions.c.sampling_session_id).where(
                 sampling_sessions.c.session_id == session_id)).scalars())
+
+
+def _of(table: sa.Table, owner: str | None) -> list:
+    """The filter of one tenant's rows (`owner` None: no filter, every tenant's)."""
+    return [] if owner is None else [table.c.owner == owner]
