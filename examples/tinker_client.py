@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 from pathlib import Path
 
-import tinker
-from tinker import types
-from transformers import AutoTokenizer
+# the client needs only transformers' tokenizer, not PyTorch: drop the "PyTorch was not found" notice
+# that transformers logs when it is imported without torch
+logging.getLogger("transformers").addFilter(lambda record: "PyTorch was not found" not in record.getMessage())
+
+import tinker  # noqa: E402
+from tinker import types  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "chat_train.jsonl"
 

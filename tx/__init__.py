@@ -3,10 +3,17 @@
 Public names: `tx.AbstractBackend`, `tx.JaxBackend`, `tx.JaxBackendConfig`, `tx.types`, `tx.losses`.
 """
 
-from tx import losses, types
-from tx.backends.base import AbstractBackend
-from tx.backends.config import JaxBackendConfig
-from tx.backends.jax import JaxBackend
+import logging
+
+# transformers logs "PyTorch was not found..." when it is imported without torch; tx needs only its
+# tokenizers and configs, so on every tx start that line was noise (a filter, not a global verbosity:
+# transformers' real warnings still show).
+logging.getLogger("transformers").addFilter(lambda record: "PyTorch was not found" not in record.getMessage())
+
+from tx import losses, types  # noqa: E402
+from tx.backends.base import AbstractBackend  # noqa: E402
+from tx.backends.config import JaxBackendConfig  # noqa: E402
+from tx.backends.jax import JaxBackend  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["AbstractBackend", "JaxBackend", "JaxBackendConfig", "losses", "types", "__version__"]

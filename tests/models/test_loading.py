@@ -58,6 +58,10 @@ def test_unknown_architecture_and_bad_paths(dense_copy, tmp_path):
     cfg = json.loads((dense_copy / "config.json").read_text())
     cfg["architectures"] = ["LlamaForCausalLM"]
     (dense_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="model_type 'qwen3' but architectures\\[0\\] 'LlamaForCausalLM'"):
+        load_model(dense_copy)
+    model_type = cfg.pop("model_type")  # without one, the architecture alone picks the family
+    (dense_copy / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="unsupported architecture 'LlamaForCausalLM'; supported: Qwen3ForCausalLM"):
         load_model(dense_copy)
     with pytest.raises(FileNotFoundError, match="not a directory"):
@@ -65,7 +69,7 @@ def test_unknown_architecture_and_bad_paths(dense_copy, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_model(tmp_path / "empty")
-    cfg["architectures"] = ["Qwen3ForCausalLM"]
+    cfg["architectures"], cfg["model_type"] = ["Qwen3ForCausalLM"], model_type
     cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
     (dense_copy / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="rope_type='yarn' is not supported"):

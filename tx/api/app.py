@@ -286,11 +286,9 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
     @app.post("/api/v1/forward_backward")
     async def forward_backward(request: Request):
         msg = await io(wire.decode_forward_backward, await read_body(request))
-        if msg.seq_id < 1:
-            raise ApiError(400, f"seq_id {msg.seq_id} must be >= 1")
+        head = wire.envelope(msg)  # model and seq_id first: a bad datum below still consumes the seq_id
         who = tenant(request)
-        await live_model(msg.model_id, who)
-
+        await live_model(head.model_id, who)
         tokens = wire.token_count(msg)
 
         def build():
@@ -299,8 +297,8 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
             engine.check_pass_size(len(msg.data), tokens)  # before decoding: a huge request is refused cheaply
             return wire.pass_request(msg)
 
-        kind = "forward" if msg.forward_only else "forward_backward"
-        return await submit_training(msg.model_id, msg.seq_id, kind, build, who, size=max(1, len(msg.data)),
+        kind = "forward" if head.forward_only else "forward_backward"
+        return await submit_training(head.model_id, head.seq_id, kind, build, who, size=max(1, head.num_datums),
                                      tokens=tokens)
 
     @app.post("/api/v1/optim_step")
@@ -322,7 +320,7 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
         who = tenant(request)
         await live_model(body.model_id, who)
         return await submit_training(body.model_id, body.seq_id, "save_weights", lambda: SaveRequest(
-            paths.check_name(body.path), body.ttl_seconds, str_metadata(body.user_metadata)), who)
+            paths.check_name(body.path), schemas.check_ttl(body.ttl_seconds), str_metadata(body.user_metadata)), who)
 
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request):
@@ -332,7 +330,8 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
 
         def build():
             if body.path is not None:
-                return SaveRequest(paths.check_name(body.path), body.ttl_seconds, str_metadata(body.user_metadata))
+                return SaveRequest(paths.check_name(body.path), schemas.check_ttl(body.ttl_seconds),
+                                   str_metadata(body.user_metadata))
             if body.sampling_session_seq_id is None:
                 raise UserError("save_weights_for_sampler needs either path or sampling_session_seq_id")
             sid = paths.sampling_session_id_of(model["session_id"], body.sampling_session_seq_id)

@@ -3,9 +3,32 @@ add some); missing or mistyped ones are 400 errors naming the field."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from tx.engine.ops import UserError
+
+MAX_TTL_SECONDS = 10 * 365 * 24 * 3600  # ten years: far beyond any use, far below float/datetime overflow
+INT64_MAX = 2**63 - 1  # ids and seq_ids are stored as 64-bit integers
+SeqId = Annotated[int, Field(ge=1, le=INT64_MAX)]
+Index = Annotated[int, Field(ge=0, le=INT64_MAX)]
+# A sequenced request's ttl is checked when its seq_id is known (check_ttl), so that a bad value is
+# refused in the model's order; parsing only takes any JSON number.
+LooseTtl = int | float | None
+
+
+def check_ttl(ttl: LooseTtl, field: str = "ttl_seconds") -> int | None:
+    """ttl_seconds as a whole number of seconds in [1, MAX_TTL_SECONDS] (or None: never expires)."""
+    if ttl is None:
+        return None
+    whole = isinstance(ttl, int) or (math.isfinite(ttl) and ttl == int(ttl))
+    if isinstance(ttl, bool) or not whole or not 1 <= ttl <= MAX_TTL_SECONDS:
+        big = isinstance(ttl, int) and abs(ttl) >= 10**24  # str() of a huge int is slow or refused
+        shown = f"(an integer of {ttl.bit_length()} bits)" if big else repr(ttl)
+        raise UserError(f"{field} {shown} must be a whole number of seconds in [1, {MAX_TTL_SECONDS}] (ten years)")
+    return int(ttl)
 
 
 class _Body(BaseModel):
@@ -43,7 +66,7 @@ class OptimizerConfig(_Body):
 
 class CreateModel(_Body):
     session_id: str
-    model_seq_id: int = Field(ge=0)
+    model_seq_id: Index
     base_model: str
     user_metadata: dict[str, Any] | None = None
     lora_config: LoraConfigBody = LoraConfigBody()
@@ -65,26 +88,26 @@ class AdamParamsBody(_Body):
 
 class OptimStep(_Body):
     model_id: str
-    seq_id: int = Field(ge=1)
+    seq_id: SeqId
     adam_params: AdamParamsBody | None = None
     optimizer_params: dict[str, Any] | None = None
 
 
 class SaveWeights(_Body):
     model_id: str
-    seq_id: int = Field(ge=1)
+    seq_id: SeqId
     path: str
-    ttl_seconds: int | None = Field(None, ge=1)
+    ttl_seconds: LooseTtl = None
     overwrite: bool = False
     user_metadata: dict[str, Any] | None = None
 
 
 class SaveWeightsForSampler(_Body):
     model_id: str
-    seq_id: int = Field(ge=1)
+    seq_id: SeqId
     path: str | None = None
-    sampling_session_seq_id: int | None = Field(None, ge=0)
-    ttl_seconds: int | None = Field(None, ge=1)
+    sampling_session_seq_id: Index | None = None
+    ttl_seconds: LooseTtl = None
     user_metadata: dict[str, Any] | None = None
     kind: Literal["snapshot", "inflight"] = "snapshot"
 
@@ -93,16 +116,16 @@ class LoadWeights(_Body):
     path: str
     optimizer: bool = False
     model_id: str | None = None  # legacy in-place load: with seq_id
-    seq_id: int | None = Field(None, ge=1)
+    seq_id: SeqId | None = None
     session_id: str | None = None  # create-via-load: with model_seq_id
-    model_seq_id: int | None = Field(None, ge=0)
+    model_seq_id: Index | None = None
     base_model: str | None = None
     user_metadata: dict[str, Any] | None = None
 
 
 class CreateSamplingSession(_Body):
     session_id: str
-    sampling_session_seq_id: int = Field(ge=0)
+    sampling_session_seq_id: Index
     model_path: str | None = None
     base_model: str | None = None
 
@@ -130,7 +153,7 @@ class Sample(_Body):
     prompt: ModelInput
     sampling_params: SamplingParamsBody = SamplingParamsBody()
     sampling_session_id: str | None = None
-    seq_id: int | None = None
+    seq_id: Index | None = None
     base_model: str | None = None
     model_path: str | None = None
     prompt_logprobs: bool = False
@@ -147,7 +170,7 @@ class RetrieveFuture(_Body):
 
 
 class CheckpointTtl(_Body):
-    ttl_seconds: int | None = Field(None, ge=1)
+    ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL_SECONDS)
 
 
 class WeightsInfo(_Body):

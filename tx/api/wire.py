@@ -6,6 +6,8 @@ field is checked here so that a bad datum fails its request with a message namin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
@@ -19,32 +21,24 @@ _INPUT_KEYS = {"target_tokens", "weights", "logprobs", "advantages"}
 TOPK_EMPTY = -99999.0  # logprob of an unused top-k cell (the SDK decodes such rows as None)
 
 
-def _tensor(msg: pb.Tensor, where: str) -> np.ndarray:
-    """A proto Tensor as a dense numpy array (sparse CSR cells not listed are 0)."""
+def _tensor(msg: pb.Tensor, where: str, length: int) -> np.ndarray:
+    """A proto Tensor as the per-token 1-D array of `length` values tx takes. The declared shape is
+    checked before anything is allocated: a crafted shape ([2**32, 2**32], [-1, -4], a sparse [1, 10**13])
+    is a UserError naming the field and the shape, never an allocation or a numpy error."""
     dtype = _DTYPES.get(msg.dtype)
     if dtype is None:
         raise UserError(f"{where}: unsupported dtype {msg.dtype}")
-    shape = list(msg.shape)
-    itemsize = np.dtype(dtype).itemsize
-    if msg.HasField("sparse_csr"):
-        csr = msg.sparse_csr
-        if len(shape) != 2:
-            raise UserError(f"{where}: a sparse tensor needs a 2-D shape, got {shape}")
-        values = _frombuffer(csr.values, dtype, where)
-        crow, col = _frombuffer(csr.crow_indices, np.int64, where), _frombuffer(csr.col_indices, np.int64, where)
-        if (len(crow) != shape[0] + 1 or len(col) != len(values) or (len(crow) and crow[-1] != len(values))
-                or np.any(np.diff(crow) < 0) or np.any((col < 0) | (col >= shape[1]))):
-            raise UserError(f"{where}: inconsistent sparse CSR indices for shape {shape}")
-        dense = np.zeros(shape, dtype)
-        rows = np.repeat(np.arange(shape[0]), np.diff(crow))
-        dense[rows, col] = values
-        return dense
+    shape = list(msg.shape)  # empty: the SDK left the shape out, the values are 1-D
+    if any(n < 0 for n in shape):
+        raise UserError(f"{where}: shape {shape} has a negative dimension")
+    if msg.HasField("sparse_csr") or (shape and shape != [length]):
+        layout = "sparse CSR " if msg.HasField("sparse_csr") else ""
+        raise UserError(f"{where} has {layout}shape {shape}; tx supports dense per-token 1-D inputs of length "
+                        f"{length} (the model_input's token count)")
     data = _frombuffer(msg.dense, dtype, where)
-    if not shape:
-        return data
-    if int(np.prod(shape)) * itemsize != len(msg.dense):
-        raise UserError(f"{where}: shape {shape} does not match {len(msg.dense)} bytes of {np.dtype(dtype).name}")
-    return data.reshape(shape)
+    if len(data) != length:
+        raise UserError(f"{where} has {len(data)} entries but model_input has {length} tokens")
+    return data
 
 
 def _frombuffer(raw: bytes, dtype, where: str) -> np.ndarray:
@@ -72,6 +66,23 @@ def decode_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
     return msg
 
 
+@dataclass(frozen=True)
+class PassEnvelope:
+    """What sequences a forward/forward_backward request; known before any datum tensor is decoded, so
+    that a bad tensor is refused in the model's seq_id order (and consumes its seq_id)."""
+
+    model_id: str
+    seq_id: int
+    forward_only: bool
+    num_datums: int
+
+
+def envelope(msg: pb.ForwardBackwardRequest) -> PassEnvelope:
+    if msg.seq_id < 1:
+        raise UserError(f"seq_id {msg.seq_id} must be >= 1")
+    return PassEnvelope(msg.model_id, msg.seq_id, msg.forward_only, len(msg.data))
+
+
 def pass_request(msg: pb.ForwardBackwardRequest) -> PassRequest:
     """The datums of a ForwardBackwardRequest as backend inputs (each field checked)."""
     config: dict[str, float] = {}
@@ -85,17 +96,10 @@ def pass_request(msg: pb.ForwardBackwardRequest) -> PassRequest:
     for i, datum in enumerate(msg.data):
         where = f"data[{i}]"
         ids = _tokens(datum, where)
-        inputs = {k: _tensor(t, f"{where}.loss_fn_inputs[{k!r}]") for k, t in datum.loss_fn_inputs.items()
+        inputs = {k: _tensor(t, f"{where}.loss_fn_inputs[{k!r}]", len(ids)) for k, t in datum.loss_fn_inputs.items()
                   if k in _INPUT_KEYS}
         if "target_tokens" not in inputs:
             raise UserError(f"{where}.loss_fn_inputs: 'target_tokens' is required")
-        for key, arr in inputs.items():
-            if arr.ndim != 1:
-                raise UserError(f"{where}.loss_fn_inputs[{key!r}] has shape {list(arr.shape)}; tx supports "
-                                f"per-token 1-D inputs of length {len(ids)}")
-            if len(arr) != len(ids):
-                raise UserError(f"{where}.loss_fn_inputs[{key!r}] has {len(arr)} entries but model_input has "
-                                f"{len(ids)} tokens")
         empty: list[float] = []
         datums.append(Datum(
             input_ids=ids, targets=inputs["target_tokens"].astype(np.int64).tolist(),

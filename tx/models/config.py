@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,7 +34,7 @@ class ModelConfig(BaseModel):
     num_experts: int = Field(0, ge=0)
     num_experts_per_tok: int = Field(0, ge=0)
     moe_intermediate_size: int = Field(0, ge=0)
-    norm_topk_prob: bool = True
+    norm_topk_prob: bool = False
     decoder_sparse_step: int = Field(1, gt=0)
     mlp_only_layers: tuple[int, ...] = ()
 
@@ -63,41 +64,49 @@ class ModelConfig(BaseModel):
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Read the fields tx needs from an HF config dict; unsupported features raise a clear error."""
+        """Read an HF config dict as transformers 4.x or 5.x writes it, with transformers' own defaults."""
         hf = dict(hf.get("text_config") or hf) if "text_config" in hf else dict(hf)
         archs = hf.get("architectures") or []
         if not archs:
             raise ValueError("config.json has no 'architectures' entry; cannot pick a model family")
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"rope_type={rope_type!r} is not supported (only default RoPE)")
-        rope_theta = hf.get("rope_theta", rope.get("rope_theta"))
-        if rope_theta is None:
-            raise ValueError("config.json has no rope_theta (top level or in rope_parameters)")
-        heads = hf["num_attention_heads"]
-        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-        num_experts = hf.get("num_experts", 0) or 0
+        family = _family(hf.get("model_type"), archs[0])
+        _refuse_unsupported(hf)
+
+        def get(key: str) -> Any:
+            value = hf.get(key)
+            return family.defaults.get(key) if value is None else value
+
+        heads = get("num_attention_heads")
+        num_experts = _num_experts(hf, family)
+        if family.moe and not num_experts:
+            raise ValueError(f"model_type {hf.get('model_type')!r} ({archs[0]}) needs experts, but num_experts / "
+                             f"num_local_experts is {num_experts}")
+        if not family.moe and num_experts:
+            raise ValueError(f"model_type {hf.get('model_type')!r} ({archs[0]}) is dense, but config.json gives "
+                             f"{num_experts} experts")
+        head_dim = hf.get("head_dim")
+        if head_dim is None:  # Qwen3Config has a field (default 128); Qwen3-MoE derives it
+            head_dim = family.defaults.get("head_dim") or get("hidden_size") // heads
         return cls(
             architecture=archs[0],
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_hidden_layers=hf["num_hidden_layers"],
+            vocab_size=get("vocab_size"),
+            hidden_size=get("hidden_size"),
+            intermediate_size=get("intermediate_size"),
+            num_hidden_layers=get("num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            max_position_embeddings=hf.get("max_position_embeddings", 32768),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            dtype=dtype,
+            num_key_value_heads=_kv_heads(hf, family, heads),
+            head_dim=head_dim,
+            rms_norm_eps=get("rms_norm_eps"),
+            rope_theta=_rope_theta(hf),
+            max_position_embeddings=get("max_position_embeddings"),
+            tie_word_embeddings=get("tie_word_embeddings"),
+            dtype=hf.get("dtype") or hf.get("torch_dtype") or "float32",
             num_experts=num_experts,
-            num_experts_per_tok=hf.get("num_experts_per_tok", 0) if num_experts else 0,
-            moe_intermediate_size=hf.get("moe_intermediate_size", 0) if num_experts else 0,
-            norm_topk_prob=hf.get("norm_topk_prob", True),
-            decoder_sparse_step=hf.get("decoder_sparse_step", 1) or 1,
-            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+            num_experts_per_tok=get("num_experts_per_tok") if num_experts else 0,
+            moe_intermediate_size=get("moe_intermediate_size") if num_experts else 0,
+            norm_topk_prob=get("norm_topk_prob") if num_experts else False,
+            decoder_sparse_step=get("decoder_sparse_step") if num_experts else 1,
+            mlp_only_layers=tuple(get("mlp_only_layers") or ()),
         )
 
     @classmethod
@@ -106,6 +115,90 @@ class ModelConfig(BaseModel):
         if not cfg_path.exists():
             raise FileNotFoundError(f"no config.json in model directory {path}")
         return cls.from_hf_dict(json.loads(cfg_path.read_text()))
+
+
+
+@dataclass(frozen=True)
+class _Family:
+    """One HF model_type: its architecture name and the defaults of transformers' config class."""
+
+    architecture: str
+    moe: bool
+    defaults: dict[str, Any]
+
+
+_COMMON = {"vocab_size": 151936, "num_attention_heads": 32, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+           "tie_word_embeddings": False}
+# Defaults of transformers' Qwen3Config / Qwen3MoeConfig (same in 4.5x and 5.x): keys missing from a
+# config.json mean these values to transformers, so they must mean the same to tx.
+_FAMILIES = {
+    "qwen3": _Family("Qwen3ForCausalLM", False, {
+        **_COMMON, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32, "head_dim": 128,
+        "num_key_value_heads": 32}),
+    "qwen3_moe": _Family("Qwen3MoeForCausalLM", True, {
+        **_COMMON, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24, "num_key_value_heads": 4,
+        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
+        "decoder_sparse_step": 1, "mlp_only_layers": []}),
+}
+DEFAULT_ROPE_THETA = 10_000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
+
+
+def _family(model_type: str | None, architecture: str) -> _Family:
+    """The family named by model_type (or, without one, by the architecture); the two must agree."""
+    if model_type is None:
+        by_arch = [f for f in _FAMILIES.values() if f.architecture == architecture]
+        if not by_arch:  # let the model registry name the supported architectures
+            return _Family(architecture, False, _COMMON)
+        return by_arch[0]
+    family = _FAMILIES.get(model_type)
+    if family is None:
+        raise ValueError(f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(_FAMILIES))}")
+    if family.architecture != architecture:
+        raise ValueError(f"config.json says model_type {model_type!r} but architectures[0] {architecture!r}; "
+                         f"{model_type!r} is {family.architecture}")
+    return family
+
+
+def _num_experts(hf: dict[str, Any], family: _Family) -> int:
+    """transformers 4.x writes num_experts, 5.x num_local_experts (an attribute_map alias)."""
+    given = {k: hf[k] for k in ("num_experts", "num_local_experts") if hf.get(k) is not None}
+    if len(set(given.values())) > 1:
+        raise ValueError(f"config.json gives different expert counts: {given}")
+    if given:
+        return int(next(iter(given.values())))
+    return family.defaults.get("num_experts", 0)
+
+
+def _kv_heads(hf: dict[str, Any], family: _Family, heads: int) -> int:
+    """A missing key takes the class default; an explicit null means "as many as attention heads"."""
+    kv = hf["num_key_value_heads"] if "num_key_value_heads" in hf else family.defaults.get("num_key_value_heads")
+    return heads if kv is None else kv
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+    """transformers 5 reads rope_scaling, else rope_parameters (its own spelling); rope_theta inside it
+    wins over the 4.x top-level key, else the default. Only default RoPE is supported."""
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
+        raise ValueError(f"rope_parameters {rope!r}: per-layer-type RoPE is not supported")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"rope_type={rope_type!r} is not supported (only default RoPE)")
+    theta = rope.get("rope_theta", hf.get("rope_theta"))
+    return DEFAULT_ROPE_THETA if theta is None else theta
+
+
+def _refuse_unsupported(hf: dict[str, Any]) -> None:
+    """Features transformers' Qwen3 has and tx does not: loading them would compute something else."""
+    if hf.get("attention_bias"):
+        raise ValueError("attention_bias=true is not supported (Qwen3 checkpoints have no attention biases)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (silu only)")
+    if hf.get("use_sliding_window"):
+        raise ValueError("use_sliding_window=true is not supported (full attention only)")
+    other = sorted({t for t in hf.get("layer_types") or () if t != "full_attention"})
+    if other:
+        raise ValueError(f"layer_types {other} are not supported (full_attention only)")
 
 
 class LoraSlots(BaseModel):

@@ -145,6 +145,16 @@ def hf_source(path: tuple[str, ...], model: Any, files: SafetensorsDir) -> Sourc
     return Stacked(parts)
 
 
+def _layout_hint(cfg: ModelConfig, files: SafetensorsDir) -> str:
+    """Name the likely cause when config.json and the tensors disagree on dense vs MoE."""
+    has_experts = any(".mlp.experts." in name for name in files.keys())
+    if has_experts and not cfg.num_experts:
+        return " (the checkpoint has expert tensors but config.json describes a dense model)"
+    if cfg.num_experts and not has_experts:
+        return f" (config.json describes {cfg.num_experts} experts but the checkpoint has no expert tensors)"
+    return ""
+
+
 def _concrete(index: tuple, shape: tuple[int, ...]) -> Index:
     return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
 
@@ -203,7 +213,7 @@ def load_model(
             try:
                 src_shape = src.shape
             except KeyError as e:
-                raise CheckpointError(f"missing tensor in {model_dir}: {e.args[0]}") from None
+                raise CheckpointError(f"missing tensor in {model_dir}: {e.args[0]}{_layout_hint(cfg, files)}") from None
             if tuple(src_shape) != tuple(want.shape):
                 raise CheckpointError(
                     f"parameter {'.'.join(names)}: checkpoint gives shape {tuple(src_shape)} "
