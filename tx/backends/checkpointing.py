@@ -11,6 +11,7 @@ import tarfile
 import tempfile
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +22,21 @@ from flax import nnx
 from tx import types
 from tx.backends.steps import init_opt_state, put_slot, take_slot
 from tx.checkpoints import peft_format, storage, training
-from tx.models.adapters import set_adapter_weights
+from tx.models.adapters import plan_adapter_weights, write_adapter_slot
 from tx.models.layers.lora import LoraA, LoraB, LoraScale
 
 logger = logging.getLogger(__name__)
 SAMPLER_FORMAT = "tx-sampler-checkpoint-v1"
-EPHEMERAL_CACHE = 8  # in-memory sampler snapshots kept for persist=False saves
+
+
+@dataclass
+class Snapshot:
+    """Weights saved for sampling, kept in memory. `copy` is None while the model's slot still holds them;
+    else (LoRA factors, scales) of one slot, copied just before the model changed them."""
+
+    model_id: str
+    persisted: bool
+    copy: tuple[Any, Any] | None = None
 
 
 def _split(model) -> tuple[nnx.GraphDef, nnx.State, nnx.State, nnx.State]:
@@ -44,7 +54,8 @@ def _put_scales(scales: nnx.State, values: Any, slot: int) -> Any:
 class CheckpointMixin:
     """Needs: model, mesh, models, slots, _opt_states, base_model, _slot(), _reset_accumulation()."""
 
-    _snapshots: OrderedDict[str, tuple[Any, Any]]
+    _snapshots: OrderedDict[str, Snapshot]
+    _evicted: OrderedDict[str, str]
 
     # ---- training state ----
 
@@ -97,6 +108,7 @@ class CheckpointMixin:
             load_optimizer=load_optimizer,
         )
         # Everything is read and validated: now change state.
+        self._before_slot_change(model_id)
         nnx.update(self.model, put_slot(lora, weights, jnp.int32(slot)), _put_scales(scales, new_scales, slot))
         self._opt_states[model_id] = opt_state if load_optimizer else init_opt_state(
             _split(self.model)[1], slot, self.mesh)
@@ -106,6 +118,16 @@ class CheckpointMixin:
         logger.info("loaded %s into %s (optimizer: %s)", checkpoint_path, model_id, load_optimizer)
 
     # ---- sampler weights ----
+    #
+    # A save keeps a Snapshot of the model's weights for sampling. While the model's slot still holds them,
+    # the snapshot is served from that slot (no memory, no spare slot: RL with ephemeral sampling clients
+    # works with every slot held by training models). Just before the slot changes (optim_step, load,
+    # unload) an in-memory (persist=False) snapshot copies its slot once (shared by the snapshots of that
+    # version); a persisted one is dropped and re-read from its file when sampled again.
+
+    def _init_snapshots(self) -> None:
+        self._snapshots: OrderedDict[str, Snapshot] = OrderedDict()
+        self._evicted: OrderedDict[str, str] = OrderedDict()  # in-memory snapshot -> why it is gone
 
     def save_sampler_checkpoint(self, output_path, model_id: str, persist: bool = True) -> None:
         """PEFT tarball at `output_path` (persist) or a small marker (persist=False); in both cases a
@@ -132,29 +154,84 @@ class CheckpointMixin:
             else:
                 (tmp / "marker.json").write_text(json.dumps(info))
                 storage.write_file_atomic(output_path, tmp / "marker.json")
-        _, lora, scales, _ = _split(self.model)
-        self._snapshots[key] = (take_slot(lora, jnp.int32(slot)), _take_scales(scales, slot))
-        self._snapshots.move_to_end(key)
-        while len(self._snapshots) > EPHEMERAL_CACHE:
-            self._snapshots.popitem(last=False)
         self.slots.forget(key)  # an older version of this path may be cached in a slot
+        self._snapshots.pop(key, None)
+        self._evicted.pop(key, None)
+        self._snapshots[key] = Snapshot(model_id, persist)
+        cap = self.config.max_snapshots_per_model
+        mine = [k for k, snap in self._snapshots.items() if snap.model_id == model_id and not snap.persisted]
+        for old in mine[: max(0, len(mine) - cap)]:
+            self._drop_snapshot(old, f"evicted: model {model_id} keeps at most {cap} in-memory sampler "
+                                     f"snapshots (max_snapshots_per_model={cap}); save a newer one")
+
+    def _drop_snapshot(self, key: str, reason: str) -> None:
+        snap = self._snapshots.pop(key, None)
+        self.slots.forget(key)
+        if snap is not None and not snap.persisted:
+            self._evicted[key] = reason
+            while len(self._evicted) > 4096:
+                self._evicted.popitem(last=False)
+
+    def _before_slot_change(self, model_id: str, unloading: bool = False) -> None:
+        """The weights of `model_id`'s slot are about to change: its snapshots stop being served from it."""
+        copy = None
+        for key, snap in list(self._snapshots.items()):
+            if snap.model_id != model_id:
+                continue
+            if unloading and not snap.persisted:
+                self._drop_snapshot(key, f"released: model {model_id} was unloaded")
+            elif snap.copy is None and snap.persisted:
+                del self._snapshots[key]  # its file has the weights
+            elif snap.copy is None:
+                if copy is None:
+                    slot = self._slot(model_id)
+                    _, lora, scales, _ = _split(self.model)
+                    copy = (take_slot(lora, jnp.int32(slot)), _take_scales(scales, slot))
+                snap.copy = copy
+
+    def evict_sampler_checkpoint(self, path) -> None:
+        """Forget sampler checkpoint `path` (its files were deleted): no slot or snapshot serves it any more."""
+        key = str(path)
+        self._drop_snapshot(key, "deleted")
+        self._evicted.pop(key, None)
 
     def _sampler_slot(self, path: str, pinned: set[int]) -> int:
-        """The slot holding sampler checkpoint `path`, loading it into a spare slot if needed."""
+        """The slot holding sampler checkpoint `path`: the saving model's own slot while it still holds those
+        weights, else a spare slot the checkpoint is loaded into. Loading is all-or-nothing: everything is
+        read and validated before the slot is taken, and a failed write frees the slot again."""
+        snap = self._snapshots.get(path)
+        if snap is not None and snap.copy is None:
+            return self._slot(snap.model_id)
         slot = self.slots.cached(path)
         if slot is not None:
             return slot
-        snapshot = self._snapshots.get(path)
-        weights = None if snapshot is not None else self._read_sampler_checkpoint(path)
+        if snap is not None:
+            def write(slot: int) -> None:
+                _, lora, scales, _ = _split(self.model)
+                nnx.update(self.model, put_slot(lora, snap.copy[0], jnp.int32(slot)),
+                           _put_scales(scales, snap.copy[1], slot))
+        else:
+            if path in self._evicted:
+                raise storage.CheckpointNotFound(f"sampler snapshot {path} is no longer in memory: it was "
+                                                 f"{self._evicted[path]}")
+            weights, rank, alpha = self._read_sampler_checkpoint(path)
+            try:
+                plan = plan_adapter_weights(self.model, weights, alpha=alpha, rank=rank)
+            except ValueError as e:
+                raise ValueError(f"sampler checkpoint {path} does not fit this model: {e}") from None
+
+            def write(slot: int) -> None:
+                write_adapter_slot(plan, slot)
+
         slot = self.slots.lend(path, pinned)
         if slot is None:
-            raise ValueError(f"no free adapter slot to load sampler checkpoint {path} (all slots hold models)")
-        if snapshot is not None:
-            _, lora, scales, _ = _split(self.model)
-            nnx.update(self.model, put_slot(lora, snapshot[0], jnp.int32(slot)), _put_scales(scales, snapshot[1], slot))
-        else:
-            adapter_weights, rank, alpha = weights
-            set_adapter_weights(self.model, slot, adapter_weights, alpha=alpha, rank=rank)
+            raise ValueError(f"no free adapter slot to load sampler checkpoint {path}: all "
+                             f"{self.slots.num_slots - 1} slots hold models or checkpoints this call samples")
+        try:
+            write(slot)
+        except BaseException:
+            self.slots.forget(path)  # never leave a slot marked as holding a half-written checkpoint
+            raise
         logger.info("sampler checkpoint %s loaded into slot %d", path, slot)
         return slot
 

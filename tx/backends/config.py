@@ -20,6 +20,16 @@ class JaxBackendConfig(BaseModel):
     )
     sample_max_num_sequences: int = Field(0, ge=0, description="sequences per sampling call (0 = no limit)")
     max_num_samples: int = Field(128, ge=1, description="largest num_samples one sampling request may ask for")
+    default_max_tokens: int = Field(
+        1024, ge=0, description="new tokens of a sample request that sends max_tokens=None (the SDK default), "
+        "capped by the room left in the context; 0 = all of that room (each row's KV cache then spans the "
+        "whole context)"
+    )
+    max_topk_prompt_logprobs: int = Field(20, ge=0, description="largest topk_prompt_logprobs a request may ask for")
+    max_snapshots_per_model: int = Field(
+        4, ge=1, description="in-memory sampler snapshots (save_weights_and_get_sampling_client) kept per "
+        "model; the oldest is evicted beyond this"
+    )
     max_seq_len: int | None = Field(
         None, ge=1, description="longest accepted sequence (default: the model's max_position_embeddings)"
     )

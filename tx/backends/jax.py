@@ -8,7 +8,6 @@ adapter's own optimizer state. The multi-host wrapper (distributed issue) broadc
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 import logging
 import uuid
 import zlib
@@ -71,7 +70,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         self._opt_states: dict[str, Any] = {}
         self._accumulated: dict[str, dict[str, float]] = {}
         self.slots = SlotTable(config.max_lora_adapters)
-        self._snapshots: OrderedDict[str, Any] = OrderedDict()
+        self._init_snapshots()
         _, lora, _ = split_model(self.model)
         self._grad_sum = jax.tree.map(jnp.zeros_like, lora)
         self.metrics = types.EngineMetrics()
@@ -149,6 +148,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
 
     def delete_model(self, model_id: str) -> None:
         slot = self._slot(model_id)
+        self._before_slot_change(model_id, unloading=True)
         clear_adapter(self.model, slot)
         self._reset_accumulation(model_id, slot)
         del self.models[model_id], self._opt_states[model_id], self._accumulated[model_id]
@@ -234,6 +234,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
 
     def optim_step(self, model_id: str, request_data: types.OptimStepInput) -> types.OptimStepOutput:
         slot = self._slot(model_id)
+        self._before_slot_change(model_id)  # snapshots served from this slot keep the weights they saved
         fn = self._fn(("optim_step",), lambda: make_optim_step(self._counted("optim_step")))
         hp = {k: jnp.float32(v) for k, v in request_data.adam_params.model_dump().items()}
         _, lora, _ = split_model(self.model)

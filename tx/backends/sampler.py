@@ -158,12 +158,22 @@ class Sampler:
             max_seq_len=backend.max_seq_len,
             max_num_samples=backend.config.max_num_samples,
             eos_ids=self.eos_ids,
+            default_max_tokens=backend.config.default_max_tokens,
+            max_topk_prompt_logprobs=backend.config.max_topk_prompt_logprobs,
         )
         pinned: set[int] = set()  # sampler-checkpoint slots this batch uses: not to be evicted mid-batch
 
         def adapter_of(model_id: str, checkpoint_path: str) -> int:
             if checkpoint_path:
-                slot = backend._sampler_slot(checkpoint_path, pinned)
+                try:
+                    slot = backend._sampler_slot(checkpoint_path, pinned)
+                except Exception as e:  # noqa: BLE001 - fails this request only; the message names the checkpoint
+                    message = str(e.args[0]) if e.args else f"{type(e).__name__}: {e}"
+                    if not isinstance(e, (KeyError, ValueError, FileNotFoundError)):
+                        message = f"{type(e).__name__}: {message}"
+                    if checkpoint_path not in message:
+                        message = f"sampler checkpoint {checkpoint_path}: {message}"
+                    raise ValueError(message) from e
                 pinned.add(slot)
                 return slot
             return backend._slot(model_id) if model_id else 0

@@ -5,7 +5,8 @@ Directories (training checkpoints) are versioned: files go to `<path>/v-<id>/` a
 one-line pointer, is written last. A crash before that leaves the previous version current; old
 versions are removed after the pointer moves. Single files (sampler tarballs) are written under a
 temporary name and renamed (local), or uploaded in one object write (cloud), so readers see either the
-old or the new file. Remote paths are staged in a local temp directory and copied with cloudpathlib,
+old or the new file. A failed write removes what it left (temporary file, unfinished version); what a
+killed process left is removed by `sweep` (run at server start). Remote paths are staged in a local temp directory and copied with cloudpathlib,
 the same code for every cloud scheme.
 """
 
@@ -16,6 +17,7 @@ import os
 import shutil
 import tarfile
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -23,6 +25,7 @@ from typing import Iterator
 from cloudpathlib import AnyPath, CloudPath
 
 POINTER = "LATEST"
+TMP_MARK = ".tmp-"  # in the names of files being written (`.<name>.tmp-<id>`)
 
 
 class CheckpointNotFound(FileNotFoundError):
@@ -56,7 +59,11 @@ def write_dir(path: str | os.PathLike, version: str | None = None, primary: bool
             raise ValueError(f"multi-host training checkpoints need a shared filesystem path, not {path}")
         with tempfile.TemporaryDirectory() as tmp:
             yield Path(tmp)
-            (target / version).upload_from(tmp)
+            try:
+                (target / version).upload_from(tmp)
+            except BaseException:
+                _remove_quietly(target / version)
+                raise
     else:
         local = Path(target) / version
         local.mkdir(parents=True, exist_ok=True)
@@ -68,7 +75,11 @@ def write_dir(path: str | os.PathLike, version: str | None = None, primary: bool
             raise
     if not primary:
         return
-    _write_text_atomic(target / POINTER, version)
+    try:
+        _write_text_atomic(target / POINTER, version)
+    except BaseException:
+        _remove_quietly(target / version)  # never current: the previous version stays
+        raise
     for old in target.iterdir():
         if old.name.startswith("v-") and old.name != version:
             remove(old)
@@ -100,9 +111,13 @@ def write_file_atomic(path: str | os.PathLike, data_path: Path) -> None:
         return
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
-    shutil.copyfile(data_path, tmp)
-    os.replace(tmp, target)
+    tmp = target.with_name(f".{target.name}{TMP_MARK}{uuid.uuid4().hex[:8]}")
+    try:
+        shutil.copyfile(data_path, tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 @contextlib.contextmanager
@@ -136,6 +151,49 @@ def remove(path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         Path(path).unlink(missing_ok=True)
+
+
+def _remove_quietly(path) -> None:
+    try:
+        remove(path)
+    except Exception:  # noqa: BLE001 - cleanup after a failure must not hide that failure
+        pass
+
+
+def sweep(root: str | os.PathLike, older_than_s: float = 3600.0) -> list[Path]:
+    """Remove what failed or killed saves left under a local checkpoint root: temporary files, and `v-*`
+    versions that `LATEST` does not point to. Only entries older than `older_than_s` go, so a save in
+    progress keeps its files. Cloud roots are not walked (listing a bucket can be slow and costly).
+    Returns the removed paths."""
+    if is_remote(root) or not Path(root).is_dir():
+        return []
+    cutoff = time.time() - older_than_s
+    removed: list[Path] = []
+
+    def old(path: Path) -> bool:
+        try:
+            return path.lstat().st_mtime < cutoff
+        except OSError:
+            return False
+
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        for name in filenames:
+            if TMP_MARK in name and name.startswith(".") and old(here / name):
+                (here / name).unlink(missing_ok=True)
+                removed.append(here / name)
+        versions = [d for d in dirnames if d.startswith("v-")]
+        if versions:
+            try:
+                current = (here / POINTER).read_text().strip()
+            except OSError:
+                current = None
+            for d in versions:
+                if d != current and old(here / d):
+                    shutil.rmtree(here / d, ignore_errors=True)
+                    removed.append(here / d)
+            dirnames[:] = [d for d in dirnames if d not in versions]  # do not walk into versions
+    return removed
 
 
 def pack_tar(source_dir: Path, out_file: Path) -> None:

@@ -15,7 +15,7 @@ from tx.distributed.control import Coordinator
 from tx.distributed.rpc import encode_kwargs
 
 BROADCAST = ("create_model", "delete_model", "forward", "forward_backward", "optim_step", "sample",
-             "save_checkpoint", "load_checkpoint", "save_sampler_checkpoint", "debug_fail")
+             "save_checkpoint", "load_checkpoint", "save_sampler_checkpoint", "evict_sampler_checkpoint", "debug_fail")
 
 
 def method_of(name: str) -> Callable:
@@ -98,6 +98,9 @@ class DistributedBackend(AbstractBackend):
 
     def save_sampler_checkpoint(self, output_path, model_id: str, persist: bool = True) -> None:
         return self._call("save_sampler_checkpoint", output_path=output_path, model_id=model_id, persist=persist)
+
+    def evict_sampler_checkpoint(self, path: str) -> None:
+        return self._call("evict_sampler_checkpoint", path=path)
 
     def debug_fail(self, message: str, process_ids: list[int], phase: str = "execute") -> None:
         """Fault injection for tests: raise `message` on `process_ids` while preparing or executing."""

@@ -96,10 +96,13 @@ class Engine:
         self._last_submit: dict[str, float] = {}  # model -> when it last sent a request
         self._ending: set[str] = set()  # sessions finished by the client, to unload at the next round
         self._next_housekeeping = 0.0
+        self._deleted: list[str] = []  # deleted checkpoint locations the backend must stop serving
         self._thread = threading.Thread(target=self._loop, name="tx-engine", daemon=True)
         # Models the previous server held are no longer in the backend; what it never ran cannot run.
         for model_id in store.models_in_status("creating", "ready"):
             store.update_model(model_id, status="unloaded")
+        for path in storage.sweep(config.checkpoint_root):
+            logger.info("removed %s, left by a failed or interrupted save", path)
         failed = store.fail_pending("the server restarted before this request ran; submit it again")
         if failed:
             logger.warning("failed %d requests left pending by the previous server", failed)
@@ -213,6 +216,7 @@ class Engine:
                 try:
                     if self.results.kept:
                         self.results.flush()
+                    self._evict_deleted()
                     if not round_.empty():
                         self._execute(round_)
                     self._housekeeping()
@@ -436,8 +440,17 @@ class Engine:
                     self.store.update_model(model["model_id"], status="unloaded")
                     logger.info("unloaded %s (session %s ended)", model["model_id"], session_id)
 
-    @staticmethod
-    def _delete_checkpoint_files(where: str) -> None:
+    def _evict_deleted(self) -> None:
+        with self.cond:
+            deleted, self._deleted = self._deleted, []
+        for where in deleted:
+            self.backend.evict_sampler_checkpoint(where)
+
+    def _delete_checkpoint_files(self, where: str) -> None:
+        """Remove a checkpoint's files (any thread); the engine thread then evicts it from the backend."""
+        with self.cond:
+            self._deleted.append(where)
+            self.cond.notify_all()
         try:
             storage.remove(storage.as_path(where))
         except OSError as e:

@@ -110,16 +110,18 @@ def init_adapter(
         _set_slot(module.lora_scale, slot, scale)
 
 
-def set_adapter_weights(
-    model: Any, slot: int, weights: dict[str, tuple[np.ndarray, np.ndarray]], *, alpha: float, rank: int
-) -> None:
-    """Load PEFT-layout weights `{hf_module: (A, B)}` into `slot`; modules absent from `weights` are zeroed.
-
-    Ranks below max_lora_rank are zero-padded; an unknown module name or a wrong shape raises."""
+def plan_adapter_weights(
+    model: Any, weights: dict[str, tuple[np.ndarray, np.ndarray]], *, alpha: float, rank: int
+) -> list[tuple[nnx.Variable, np.ndarray]]:
+    """Validate PEFT-layout weights `{hf_module: (A, B)}` and build every slot value they define, writing
+    nothing: `[(variable, value at the slot)]` for `write_adapter_slot`. Modules absent from `weights` get
+    zeros; ranks below max_lora_rank are zero-padded; an unknown module name, a wrong shape or a non-finite
+    value raises. Loading is thus all-or-nothing: a bad file never leaves a slot half-written."""
     max_rank = model.slots.max_lora_rank
     if not 0 < rank <= max_rank:
         raise ValueError(f"LoRA rank {rank} must be in [1, max_lora_rank={max_rank}]")
     remaining = dict(weights)
+    plan: list[tuple[nnx.Variable, np.ndarray]] = []
     for path, module, layer_ids in lora_modules(model):
         names = hf_module_names(path, layer_ids)
         a = np.zeros(_slot_shape(module.lora_a), np.float32)  # [L?, E?, in, R]
@@ -137,15 +139,29 @@ def set_adapter_weights(
                     f"adapter weights for {name}: A {a_peft.shape} / B {b_peft.shape} do not match rank {rank} "
                     f"and module shape in={dst_a.shape[-2]}, out={dst_b.shape[-1]}"
                 )
+            if not (np.isfinite(a_t).all() and np.isfinite(b_t).all()):
+                raise ValueError(f"adapter weights for {name} contain NaN or infinite values")
             dst_a[..., :rank] = a_t
             dst_b[..., :rank, :] = b_t
             present = True
         scale = np.full(_slot_shape(module.lora_scale), alpha / rank if present else 0.0)
-        _set_slot(module.lora_a, slot, a)
-        _set_slot(module.lora_b, slot, b)
-        _set_slot(module.lora_scale, slot, scale)
+        plan += [(module.lora_a, a), (module.lora_b, b), (module.lora_scale, scale)]
     if remaining:
         raise ValueError(f"adapter weights name modules this model does not have: {sorted(remaining)[:5]}")
+    return plan
+
+
+def write_adapter_slot(plan: list[tuple[nnx.Variable, np.ndarray]], slot: int) -> None:
+    """Write the values of `plan_adapter_weights` into adapter `slot`."""
+    for var, value in plan:
+        _set_slot(var, slot, value)
+
+
+def set_adapter_weights(
+    model: Any, slot: int, weights: dict[str, tuple[np.ndarray, np.ndarray]], *, alpha: float, rank: int
+) -> None:
+    """Load PEFT-layout weights `{hf_module: (A, B)}` into `slot` (all validated before anything is written)."""
+    write_adapter_slot(plan_adapter_weights(model, weights, alpha=alpha, rank=rank), slot)
 
 
 def get_adapter_weights(model: Any, slot: int, rank: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:

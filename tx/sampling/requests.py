@@ -3,6 +3,14 @@
 Rows: every sample of every request is one row (`request_batch_slices` give each request's rows). A
 request with any bad value gets one error naming the field and value; the others go on.
 
+Defaults and limits: max_tokens=None means min(default_max_tokens, room left in the context), so a
+request that names no length cannot size every row's KV cache to the whole context; top_k >= vocab keeps
+every token (the same distribution as no top-k), so it is clamped to "off" rather than refused;
+topk_prompt_logprobs is capped by max_topk_prompt_logprobs (and the vocabulary).
+
+Stops: None = the model's EOS tokens; [] = never stop early; a non-empty list = EOS plus those stops
+(as Tinker: stop strings do not switch EOS off).
+
 Seeds: a row uses `seed + i` for the i-th sample of its request; with no seed, `seed` is derived from
 the request id (crc32), which is the same on every host and for retries of the same request.
 """
@@ -12,11 +20,14 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
+import logging
 from typing import Callable
 
 import numpy as np
 
 from tx import types
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,6 +50,8 @@ class SampleLimits:
     max_seq_len: int
     max_num_samples: int
     eos_ids: tuple[int, ...]
+    default_max_tokens: int = 0  # used when max_tokens is None; 0 = the whole room left in the context
+    max_topk_prompt_logprobs: int = 20
 
 
 def _check_params(p: types.SamplingParams, prompt_len: int, limits: SampleLimits) -> int:
@@ -46,7 +59,10 @@ def _check_params(p: types.SamplingParams, prompt_len: int, limits: SampleLimits
     room = limits.max_seq_len - prompt_len
     if room < 1:
         raise ValueError(f"prompt of {prompt_len} tokens leaves no room under max_seq_len={limits.max_seq_len}")
-    max_tokens = room if p.max_tokens is None else p.max_tokens
+    if p.max_tokens is None:
+        max_tokens = min(room, limits.default_max_tokens) if limits.default_max_tokens else room
+    else:
+        max_tokens = p.max_tokens
     if max_tokens < 0:
         raise ValueError(f"max_tokens = {max_tokens} must be >= 0")
     if max_tokens > room:
@@ -67,6 +83,20 @@ def _check_params(p: types.SamplingParams, prompt_len: int, limits: SampleLimits
     return max_tokens
 
 
+def effective_top_k(top_k: int, vocab: int) -> int:
+    """top_k as the device uses it (int32): k >= vocab keeps every token, i.e. no top-k (-1)."""
+    return -1 if top_k >= vocab else top_k
+
+
+def stop_list(stop: list[int] | list[str] | None, eos_ids: tuple[int, ...]) -> list[int | str]:
+    """The stops a row uses: EOS unless the caller sent stop=[] (which switches every stop off)."""
+    if stop is None:
+        return list(eos_ids)
+    if not stop:
+        return []
+    return list(dict.fromkeys([*eos_ids, *stop]))
+
+
 def validate(
     batch: types.PreparedSampleBatch, adapter_of: Callable[[str, str], int], limits: SampleLimits
 ) -> tuple[list[SampleRow], dict[int, str]]:
@@ -80,6 +110,9 @@ def validate(
                 raise ValueError(f"num_samples = {end - start} exceeds max_num_samples={limits.max_num_samples}")
             if topk < 0:
                 raise ValueError(f"topk_prompt_logprobs = {topk} must be >= 0")
+            cap = min(limits.max_topk_prompt_logprobs, limits.vocab)
+            if topk > cap:
+                raise ValueError(f"topk_prompt_logprobs = {topk} exceeds this server's limit of {cap}")
             request_rows = []
             for i in range(start, end):
                 prompt = np.asarray(batch.all_prompts[i], np.int64)
@@ -92,7 +125,7 @@ def validate(
                 max_tokens = _check_params(params, prompt.size, limits)
                 adapter = adapter_of(batch.all_model_ids[i], batch.all_checkpoint_paths[i])
                 seed = params.seed if params.seed is not None else zlib.crc32(request_id.encode())
-                stop = list(limits.eos_ids) if params.stop is None else params.stop
+                stop = stop_list(params.stop, limits.eos_ids)
                 request_rows.append(
                     SampleRow(
                         request_index=r,
@@ -100,7 +133,7 @@ def validate(
                         adapter=adapter,
                         max_tokens=max_tokens,
                         temperature=params.temperature,
-                        top_k=params.top_k,
+                        top_k=effective_top_k(params.top_k, limits.vocab),
                         top_p=params.top_p,
                         seed=(seed + i - start) % 2**32,
                         stop_tokens=[s for s in stop if isinstance(s, int)],
@@ -109,6 +142,10 @@ def validate(
                 )
         except (KeyError, ValueError, FileNotFoundError) as e:
             errors[r] = str(e.args[0]) if e.args else str(e)
+            continue
+        except Exception as e:  # noqa: BLE001 - whatever went wrong, it fails this request only
+            logger.exception("sampling request %s failed validation", request_id)
+            errors[r] = f"{type(e).__name__}: {e}"
             continue
         rows.extend(request_rows)
     return rows, errors
