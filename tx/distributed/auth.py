@@ -122,7 +122,7 @@ def _mac(secret: bytes, label: str, nonce: str, fields: dict | None = None) -> s
 
 
 def accept_peer(channel: Channel, secret: bytes) -> dict:
-    """Coordinator side: the authenticated hello of a new peer, or AuthError."""
+    """Coordinator side: the authenticated hello of a new peer, or AuthError. `welcome` admits it."""
     nonce = secrets.token_hex(32)
     channel.send({"type": "challenge", "nonce": nonce})
     try:
@@ -137,8 +137,11 @@ def accept_peer(channel: Channel, secret: bytes) -> dict:
         raise AuthError("wrong or missing secret")
     if not isinstance(hello.get("process_id"), int) or not isinstance(hello.get("nonce"), str):
         raise AuthError("hello without process_id or nonce")
-    channel.send({"type": "welcome", "mac": _mac(secret, "coordinator", hello["nonce"])})
     return hello
+
+
+def welcome(channel: Channel, secret: bytes, hello: dict) -> None:
+    channel.send({"type": "welcome", "mac": _mac(secret, "coordinator", hello["nonce"])})
 
 
 def join(channel: Channel, secret: bytes, hello: dict) -> None:

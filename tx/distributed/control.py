@@ -121,24 +121,24 @@ class Coordinator:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         channel = Channel(sock)
         try:
-            hello = auth.accept_peer(channel, self._secret())
+            secret = self._secret()
+            hello = auth.accept_peer(channel, secret)
+            with self._joined:
+                pid = hello["process_id"]
+                if self._closing or pid not in self._expected or pid in self.workers:
+                    raise auth.AuthError(f"process id {pid!r} is not expected (expected {sorted(self._expected)}, "
+                                         f"connected {sorted(self.workers)})")
+                auth.welcome(channel, secret, hello)
+                sock.settimeout(None)
+                worker = _Worker(channel, hello)
+                self.workers[pid] = worker
+                self._joined.notify_all()
         except (auth.AuthError, OSError) as e:
             logger.warning("refused control connection from %s: %s", peer, e)
             channel.close()
             return
-        with self._joined:
-            pid = hello["process_id"]
-            if self._closing or pid not in self._expected or pid in self.workers:
-                logger.warning("refused control connection from %s: process id %r is not expected (expected "
-                               "%s, connected %s)", peer, pid, sorted(self._expected), sorted(self.workers))
-                channel.close()
-                return
-            sock.settimeout(None)
-            worker = _Worker(channel, hello)
-            self.workers[pid] = worker
-            threading.Thread(target=worker.read_forever, daemon=True, name=f"tx-control-{pid}").start()
-            logger.info("worker process %d connected from %s (pid %s)", pid, peer, worker.pid)
-            self._joined.notify_all()
+        threading.Thread(target=worker.read_forever, daemon=True, name=f"tx-control-{pid}").start()
+        logger.info("worker process %d connected from %s (pid %s)", pid, peer, worker.pid)
 
     # ---- liveness ----
 
