@@ -143,10 +143,11 @@ def test_killed_worker_is_reported_without_hanging(tiny_dirs, tmp_path):
 
 def test_cli_help_and_validation():
     env = _env(1)
+    env.pop("TX_CONTROL_SECRET", None)
     help_text = subprocess.run([sys.executable, "-m", "tx.run", "--help"], env=env, cwd=ROOT, capture_output=True,
                                text=True, check=True).stdout
     for flag in ("--coordinator-address", "--process-id", "--heartbeat-timeout", "--tensor-parallel-size",
-                 "--backend-config", "--auto-distributed"):
+                 "--backend-config", "--auto-distributed", "--control-secret-file", "--control-secret", "--control-bind"):
         assert flag in help_text
     for args, message in [
         (["--coordinator-address", "h:1", "--num-processes", "2", "--process-id", "2"], "outside [0, --num-processes=2)"),
@@ -155,6 +156,11 @@ def test_cli_help_and_validation():
         (["--backend-config", "{bad"], "not valid JSON"),
         (["--max-lora-rank", "0"], "max_lora_rank"),
         (["--backend-config", '{"unknown_field": 1}'], "unknown_field"),
+        # defect 2: a control channel reachable from other machines needs a shared secret
+        (["--coordinator-address", "10.255.0.1:8476", "--num-processes", "2", "--process-id", "1"],
+         "non-loopback host '10.255.0.1' needs a shared secret"),
+        (["--coordinator-address", "10.255.0.1:8476", "--num-processes", "2", "--process-id", "1",
+          "--control-secret-file", "/nonexistent/secret"], "--control-secret-file '/nonexistent/secret' cannot be read"),
     ]:
         proc = subprocess.run([sys.executable, "-m", "tx.run", *args], env=env, cwd=ROOT, capture_output=True, text=True)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr[-500:])
