@@ -3,12 +3,12 @@
     python -m tx.run                                          # serve the built-in tiny model on :8000
     python -m tx.run --coordinator-address 10.0.0.2:8476 --num-processes 4 --process-id 0 \\
         --base-model Qwen/Qwen3-8B --tensor-parallel-size 4 --fully-sharded-data-parallel-size 8 \\
-        --host 0.0.0.0 --api-key tml-...
+        --host 0.0.0.0 --api-key tml-... --control-secret-file ~/tx-control.secret
 
 Process 0 serves the Tinker HTTP API (drive it with the `tinker` SDK: base_url=http://HOST:PORT and any
 key starting with tml- that the server accepts) and broadcasts every backend call over a control
-channel (TCP, `--control-port`, default coordinator port + 1) to the other processes, which run the
-worker loop. On Cloud TPU pass `--auto-distributed` and let `jax.distributed.initialize()` discover the
+channel (TCP, `--control-port`, default coordinator port + 1; peers prove a shared secret, see
+`--control-secret-file`) to the other processes, which run the worker loop. On Cloud TPU pass `--auto-distributed` and let `jax.distributed.initialize()` discover the
 hosts. `--job smoke` instead trains, samples and saves one adapter and exits (a quick self-check).
 """
 
