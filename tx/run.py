@@ -8,8 +8,8 @@
 Process 0 serves the Tinker HTTP API (drive it with the `tinker` SDK: base_url=http://HOST:PORT and any
 key starting with tml- that the server accepts) and broadcasts every backend call over a control
 channel (TCP, `--control-port`, default coordinator port + 1; peers prove a shared secret, see
-`--control-secret-file`) to the other processes, which run the worker loop. On Cloud TPU pass `--auto-distributed` and let `jax.distributed.initialize()` discover the
-hosts. `--job smoke` instead trains, samples and saves one adapter and exits (a quick self-check).
+`--control-secret-file`) to the other processes, which run the worker loop. On Cloud TPU pass
+`--auto-distributed` and let `jax.distributed.initialize()` discover the hosts. `--job smoke` instead trains, samples and saves one adapter and exits (a quick self-check).
 """
 
 from __future__ import annotations
