@@ -20,8 +20,9 @@ Every call goes through these steps, so that all hosts agree on its outcome:
    mutates) and is an ordinary error.
 
 Workers send heartbeats from a separate thread. A closed connection (a dead worker) is noticed at once,
-missing heartbeats (a stopped or wedged host) after `heartbeat_timeout`, a worker's failure report within
-`POLL_S`; each raises `WorkerFailure` naming the process, and the coordinator refuses further calls.
+missing heartbeats (a stopped or wedged host) after `heartbeat_timeout`, and a worker's failure while
+process 0 still runs the call after `heartbeat_timeout` at most (the time process 0 gets to fail the
+same way); each raises `WorkerFailure` naming the process, and the coordinator refuses further calls.
 """
 
 from __future__ import annotations
@@ -232,13 +233,19 @@ class Coordinator:
         thread = threading.Thread(target=target, daemon=True, name=f"tx-{method}")
         thread.start()
         replies: dict[int, dict] = {}
+        failed_at = None
         while thread.is_alive():
             thread.join(POLL_S)
             self._gather(seq, ("done",), replies)
             failed = {pid: r["error"] for pid, r in replies.items() if r.get("error")}
-            if failed and thread.is_alive():
+            if failed and failed_at is None:
+                failed_at = time.monotonic()
+            # Inputs every host rejects fail on each of them, process 0 maybe a little later: it gets the
+            # heartbeat bound to fail too; still running after that, it is blocked in a collective.
+            if failed_at is not None and thread.is_alive() and time.monotonic() - failed_at > self.heartbeat_timeout:
                 self._fail(f"call {method} failed on some hosts while process 0 was still running it "
-                           f"(it may be blocked in a collective that cannot complete): {_describe(failed)}")
+                           f"{self.heartbeat_timeout:.0f}s later (blocked in a collective that cannot complete?): "
+                           f"{_describe(failed)}")
         if "error" not in box:
             # Process 0 finished, so every host took part in the call's collectives: wait for their reports.
             self._collect(seq, ("done",), replies)
