@@ -18,6 +18,7 @@ must be given a secret: nothing else can be derived the same way on every host w
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import hmac
 import ipaddress
@@ -76,6 +77,7 @@ def write_launch_secret(port: int) -> bytes:
     with os.fdopen(fd, "wb") as f:
         f.write(secret)
     os.replace(tmp, path)
+    atexit.register(lambda: path.unlink(missing_ok=True))  # workers read it once, when they join
     return secret
 
 
