@@ -3,13 +3,13 @@
     python -m tx.run                                          # serve the built-in tiny model on :8000
     python -m tx.run --coordinator-address 10.0.0.2:8476 --num-processes 4 --process-id 0 \\
         --base-model Qwen/Qwen3-8B --tensor-parallel-size 4 --fully-sharded-data-parallel-size 8 \\
-        --host 0.0.0.0 --api-key tml-...
+        --host 0.0.0.0 --api-key tml-... --control-secret-file ~/tx-control.secret
 
 Process 0 serves the Tinker HTTP API (drive it with the `tinker` SDK: base_url=http://HOST:PORT and any
 key starting with tml- that the server accepts) and broadcasts every backend call over a control
-channel (TCP, `--control-port`, default coordinator port + 1) to the other processes, which run the
-worker loop. On Cloud TPU pass `--auto-distributed` and let `jax.distributed.initialize()` discover the
-hosts. `--job smoke` instead trains, samples and saves one adapter and exits (a quick self-check).
+channel (TCP, `--control-port`, default coordinator port + 1; peers prove a shared secret, see
+`--control-secret-file`) to the other processes, which run the worker loop. On Cloud TPU pass
+`--auto-distributed` and let `jax.distributed.initialize()` discover the hosts. `--job smoke` instead trains, samples and saves one adapter and exits (a quick self-check).
 """
 
 from __future__ import annotations
@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--auto-distributed", action="store_true",
                    help="call jax.distributed.initialize() without arguments (Cloud TPU, SLURM discover the hosts)")
     g.add_argument("--control-port", type=int, help="TCP port of the control channel on process 0 (default: coordinator port + 1)")
+    g.add_argument("--control-bind", help="address the control channel listens on (default: the coordinator address's host)")
+    g.add_argument("--control-secret-file", help="file holding the control channel's shared secret (same on every host; "
+                   "or TX_CONTROL_SECRET); needed unless the coordinator address is loopback")
+    g.add_argument("--control-secret", help="the shared secret itself (visible in the process list: prefer the file)")
     g.add_argument("--heartbeat-timeout", type=float, default=15.0,
                    help="seconds without a worker heartbeat before process 0 reports it dead (default 15)")
     g.add_argument("--connect-timeout", type=float, default=300.0, help="seconds to wait for all hosts to connect")
@@ -146,13 +150,27 @@ def initialize_distributed(args: argparse.Namespace) -> None:
 
 
 def control_endpoint(args: argparse.Namespace) -> tuple[str, int]:
+    from tx.distributed.auth import split_address
+
     address = args.coordinator_address
     if address is None:
         from jax._src import distributed
 
         address = distributed.global_state.coordinator_address
-    host, _, port = address.rpartition(":")
-    return host, args.control_port or int(port) + 1
+    host, port = split_address(address)
+    return host, args.control_port or port + 1
+
+
+def control_channel(args: argparse.Namespace, parser: argparse.ArgumentParser, process_id: int):
+    """(host, port, secret) of the control channel; exits with the reason if no secret can be had."""
+    from tx.distributed.auth import resolve_secret
+
+    host, port = control_endpoint(args)
+    try:
+        return host, port, resolve_secret(secret=args.control_secret, secret_file=args.control_secret_file,
+                                          host=host, port=port, coordinator=process_id == 0)
+    except (ValueError, PermissionError) as e:
+        parser.error(f"control channel: {e}")
 
 
 def smoke_job(backend, steps: int) -> None:
@@ -195,10 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     service = service_configs(args, parser)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s", force=True)
+    control = None
+    if args.coordinator_address is not None and args.num_processes > 1:  # known now: refuse before starting
+        control = control_channel(args, parser, args.process_id)
     initialize_distributed(args)
 
     import jax
 
+    from tx.distributed.auth import AuthError
     from tx.distributed.backend import DistributedBackend
     from tx.distributed.control import Coordinator, WorkerFailure
     from tx.distributed.worker import run_worker
@@ -209,12 +231,21 @@ def main(argv: list[str] | None = None) -> int:
 
         base_model = str(tiny_model_dir())
     multi = jax.process_count() > 1
+    if multi and control is None:
+        control = control_channel(args, parser, jax.process_index())
+    host, port, secret = control or (None, None, None)
     if jax.process_index() != 0:
-        host, port = control_endpoint(args)
-        return run_worker(host, port, connect_timeout=args.connect_timeout)
+        try:
+            status = run_worker(host, port, secret, connect_timeout=args.connect_timeout)
+        except AuthError as e:
+            raise SystemExit(f"control channel: {e}")
+        if status != 0:  # process 0 is gone or stopped the run: jax's exit barrier would wait for it
+            logging.shutdown()
+            os._exit(status)
+        return status
     coordinator = None
     if multi:
-        coordinator = Coordinator(control_endpoint(args)[1], jax.process_count() - 1,
+        coordinator = Coordinator(args.control_bind or host, port, jax.process_count() - 1, secret,
                                   heartbeat_timeout=args.heartbeat_timeout, connect_timeout=args.connect_timeout)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop the workers
     backend = None
@@ -229,10 +260,11 @@ def main(argv: list[str] | None = None) -> int:
             serve(backend, args.base_model, base_model, service_config, engine_config, api_config,
                   fatal=(WorkerFailure,))
     except WorkerFailure as e:
-        # A host is gone: collectives cannot complete, so fail fast instead of waiting on them.
+        # A host is gone or the hosts disagree: collectives cannot complete (a thread of ours may be blocked
+        # in one for good), so stop the workers and exit without waiting. A restart starts from checkpoints.
         logger.error("stopping: %s", e)
         if coordinator is not None:
-            coordinator.shutdown()
+            coordinator.shutdown(timeout=10.0, reason=str(e))
         logging.shutdown()
         os._exit(3)
     finally:

@@ -2,8 +2,10 @@
 
     python tests/distributed/driver.py SCENARIO MODEL_DIR OUT_JSON [COORDINATOR_ADDRESS NUM_PROCESSES]
 
-Scenarios: parity (every backend method; results written as JSON), faults (errors on workers, then
-normal calls), stop (a SIGSTOPped worker), kill (a worker killed in the middle of a call).
+Scenarios: parity (every backend method; results written as JSON), faults (errors on workers, files
+missing on the worker only, peers without the secret, then normal calls), one_sided (the worker fails
+inside a call while process 0 sits in its collective), stop (a SIGSTOPped worker), kill (a worker killed
+in the middle of a call).
 """
 
 import json
@@ -26,6 +28,7 @@ if multi:
 from tx import types  # noqa: E402
 from tx.backends.config import JaxBackendConfig  # noqa: E402
 from tx.distributed.backend import DistributedBackend  # noqa: E402
+from tx.distributed.auth import resolve_secret, split_address  # noqa: E402
 from tx.distributed.control import Coordinator, RemoteError, WorkerFailure  # noqa: E402
 
 SP = types.SamplingParams
@@ -33,8 +36,9 @@ config = JaxBackendConfig(max_lora_adapters=5, max_lora_rank=4, max_seq_len=64, 
                           expert_parallel_size=2, tensor_parallel_size=2)
 coordinator = None
 if multi:
-    port = int(sys.argv[4].rsplit(":", 1)[1]) + 1
-    coordinator = Coordinator(port, int(sys.argv[5]) - 1, heartbeat_timeout=3.0, connect_timeout=120)
+    host, port = split_address(sys.argv[4])
+    secret = resolve_secret(secret=None, secret_file=None, host=host, port=port + 1, coordinator=True)
+    coordinator = Coordinator(host, port + 1, int(sys.argv[5]) - 1, secret, heartbeat_timeout=3.0, connect_timeout=120)
 backend = DistributedBackend(model_dir, config, coordinator, run_id="test")
 results = {}
 
@@ -80,6 +84,34 @@ def samples(out):
                   "prompt": r.prompt_logprobs[1:]} for rid, r in out.items()}
 
 
+def intruders(coordinator) -> dict[str, bool]:
+    """Peers without the secret: is each one disconnected by process 0 (without being welcomed)?"""
+    import socket
+
+    from tx.distributed import auth
+    from tx.distributed.rpc import Channel
+
+    refused = {}
+    for attempt in ("garbage", "no-mac", "wrong-secret"):
+        channel = Channel(socket.create_connection(coordinator.address, timeout=30))
+        try:
+            if attempt == "wrong-secret":
+                auth.join(channel, b"not the secret", {"process_id": 1, "pid": 0, "losses": []})
+                refused[attempt] = False  # welcomed
+                continue
+            assert channel.recv()["type"] == "challenge"
+            if attempt == "garbage":
+                channel.sock.sendall(b"\xff" * 64)
+            else:
+                channel.send({"type": "hello", "process_id": 1, "pid": 0, "losses": [], "nonce": "00"})
+            refused[attempt] = channel.recv() is None
+        except (auth.AuthError, ConnectionResetError):
+            refused[attempt] = True
+        finally:
+            channel.close()
+    return refused
+
+
 def timed_failure(fn):
     start = time.monotonic()
     try:
@@ -111,19 +143,36 @@ if scenario == "parity":
 elif scenario == "faults":
     backend.create_model("a", types.LoraConfig(rank=4, seed=1))
     backend.create_model("b", types.LoraConfig(rank=2, seed=2))
+    results["refused"] = intruders(coordinator)
     errors = []
-    for phase in ("execute", "prepare"):
+    try:
+        backend.debug_fail("injected in prepare", [1], phase="prepare")
+    except RemoteError as e:
+        errors.append(str(e))
+    results["after_prepare"] = forward_as({})
+    # Relative paths: process 0 runs in the output directory, which holds them; the worker runs elsewhere.
+    os.chdir(os.path.dirname(out_path))
+    backend.save_checkpoint(os.path.abspath("ckpt-here"), "a")
+    backend.save_sampler_checkpoint(os.path.abspath("sampler-here.tar.gz"), "a")
+    for call in (lambda: backend.load_checkpoint("ckpt-here", "b"), lambda: backend.sample(sample_batch("sampler-here.tar.gz"))):
         try:
-            backend.debug_fail(f"injected in {phase}", [1], phase=phase)
+            call()
         except RemoteError as e:
             errors.append(str(e))
-        results[f"after_{phase}"] = forward_as({})
+    results["after_missing"] = forward_as({})
     try:
         backend.create_model("a", types.LoraConfig(rank=2))
     except ValueError as e:
         errors.append(f"local: {e}")
     results["errors"] = errors
     results["final"] = forward_as({})
+    results["refused_later"] = intruders(coordinator)
+    results["bound"] = list(coordinator.address)
+elif scenario == "one_sided":  # the worker runs with TX_DEBUG_FAIL_CALL=forward
+    backend.create_model("a", types.LoraConfig(rank=4, seed=1))
+    results["failure"] = timed_failure(lambda: forward_as({}))
+    results["later"] = timed_failure(lambda: backend.create_model("z", types.LoraConfig(rank=1)))
+    backend.shutdown(reason=results["failure"]["error"])  # what tx.run does before os._exit
 elif scenario == "stop":
     backend.create_model("a", types.LoraConfig(rank=4, seed=1))
     worker = next(iter(coordinator.workers.values()))

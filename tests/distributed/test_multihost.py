@@ -38,7 +38,8 @@ def _env(devices: int) -> dict:
     return env
 
 
-def run_pair(scenario: str, model_dir: str, tmp_path: Path, timeout: float = 240):
+def run_pair(scenario: str, model_dir: str, tmp_path: Path, timeout: float = 240, worker_env: dict | None = None,
+             worker_cwd: Path | None = None):
     port = _ports()
     out = tmp_path / f"{scenario}-multi.json"
     coordinator = f"127.0.0.1:{port}"
@@ -49,7 +50,8 @@ def run_pair(scenario: str, model_dir: str, tmp_path: Path, timeout: float = 240
                               env=_env(4), cwd=ROOT, stdout=f0, stderr=subprocess.STDOUT)
         p1 = subprocess.Popen([sys.executable, "-m", "tx.run", "--coordinator-address", coordinator, "--num-processes",
                                "2", "--process-id", "1", "--base-model", model_dir, "--heartbeat-timeout", "3"],
-                              env=_env(4), cwd=ROOT, stdout=f1, stderr=subprocess.STDOUT)
+                              env={**_env(4), **(worker_env or {})}, cwd=worker_cwd or ROOT, stdout=f1,
+                              stderr=subprocess.STDOUT)
         try:
             p0.wait(timeout=timeout)
         finally:
@@ -96,13 +98,32 @@ def test_two_processes_equal_one_process(tiny_dirs, tmp_path, name):
 
 
 def test_worker_errors_are_reported_and_the_next_call_works(tiny_dirs, tmp_path):
-    result, worker_rc, _ = run_pair("faults", tiny_dirs["dense"], tmp_path)
+    """Errors before anyone runs a call, and files missing on the worker only (defect 4's clean path),
+    fail that call on every host and leave state alone; peers without the secret are refused (defect 2)."""
+    elsewhere = tmp_path / "worker-cwd"  # the worker resolves the relative checkpoint paths here: missing
+    elsewhere.mkdir()
+    result, worker_rc, worker_log = run_pair("faults", tiny_dirs["dense"], tmp_path, worker_cwd=elsewhere)
     errors = result["errors"]
-    assert "process 1: RuntimeError: injected in execute" in errors[0]
-    assert "process 1: RuntimeError: injected in prepare" in errors[1]
-    assert "local: model_id 'a' already exists" in errors[2]
-    assert result["after_execute"] == result["after_prepare"] == result["final"]
+    assert "process 1: RuntimeError: injected in prepare" in errors[0]
+    for error, path in zip(errors[1:3], ("ckpt-here", "sampler-here.tar.gz")):
+        assert "process 1: hosts disagree before" in error and f"{path}: process 0 ok, here CheckpointNotFound" in error
+    assert "local: model_id 'a' already exists" in errors[3]
+    assert result["after_prepare"] == result["after_missing"] == result["final"]  # b was not overwritten
+    assert result["refused"] == result["refused_later"] == {"garbage": True, "no-mac": True, "wrong-secret": True}
+    assert result["bound"][0] == "127.0.0.1"  # a loopback coordinator address keeps the channel on loopback
     assert worker_rc == 0
+
+
+def test_one_sided_failure_inside_a_call_is_fatal_within_the_bound(tiny_dirs, tmp_path):
+    """Defect 4: the worker fails inside forward while process 0 waits in the call's collective."""
+    result, worker_rc, worker_log = run_pair("one_sided", tiny_dirs["dense"], tmp_path,
+                                             worker_env={"TX_DEBUG_FAIL_CALL": "forward"}, timeout=150)
+    failure = result["failure"]
+    assert "call forward failed on some hosts while process 0 was still running it" in failure["error"]
+    assert "process 1: RuntimeError: injected failure of forward on process 1" in failure["error"]
+    assert failure["seconds"] < 3.0 + 5.0  # heartbeat_timeout=3s: a report is seen at once, plus slack
+    assert failure["error"] in result["later"]["error"] and result["later"]["seconds"] < 1.0  # no further calls
+    assert worker_rc == 1 and "process 0 stopped the run" in worker_log
 
 
 def test_stopped_worker_is_reported_within_the_bound(tiny_dirs, tmp_path):
@@ -122,10 +143,11 @@ def test_killed_worker_is_reported_without_hanging(tiny_dirs, tmp_path):
 
 def test_cli_help_and_validation():
     env = _env(1)
+    env.pop("TX_CONTROL_SECRET", None)
     help_text = subprocess.run([sys.executable, "-m", "tx.run", "--help"], env=env, cwd=ROOT, capture_output=True,
                                text=True, check=True).stdout
     for flag in ("--coordinator-address", "--process-id", "--heartbeat-timeout", "--tensor-parallel-size",
-                 "--backend-config", "--auto-distributed"):
+                 "--backend-config", "--auto-distributed", "--control-secret-file", "--control-secret", "--control-bind"):
         assert flag in help_text
     for args, message in [
         (["--coordinator-address", "h:1", "--num-processes", "2", "--process-id", "2"], "outside [0, --num-processes=2)"),
@@ -134,6 +156,11 @@ def test_cli_help_and_validation():
         (["--backend-config", "{bad"], "not valid JSON"),
         (["--max-lora-rank", "0"], "max_lora_rank"),
         (["--backend-config", '{"unknown_field": 1}'], "unknown_field"),
+        # defect 2: a control channel reachable from other machines needs a shared secret
+        (["--coordinator-address", "10.255.0.1:8476", "--num-processes", "2", "--process-id", "1"],
+         "non-loopback host '10.255.0.1' needs a shared secret"),
+        (["--coordinator-address", "10.255.0.1:8476", "--num-processes", "2", "--process-id", "1",
+          "--control-secret-file", "/nonexistent/secret"], "--control-secret-file '/nonexistent/secret' cannot be read"),
     ]:
         proc = subprocess.run([sys.executable, "-m", "tx.run", *args], env=env, cwd=ROOT, capture_output=True, text=True)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr[-500:])

@@ -1,9 +1,9 @@
 """DistributedBackend: the backend callers use. Each method runs on every host (SPMD); in a multi-host
-run process 0 broadcasts it first and returns only when all hosts agree it succeeded."""
+run process 0 broadcasts it first and returns only when all hosts agree it succeeded (see control.py
+for what happens when they do not)."""
 
 from __future__ import annotations
 
-import threading
 import uuid
 from typing import Any, Callable
 
@@ -11,6 +11,7 @@ from tx import losses, types
 from tx.backends.base import AbstractBackend
 from tx.backends.config import JaxBackendConfig
 from tx.backends.jax import JaxBackend
+from tx.distributed import checks
 from tx.distributed.control import Coordinator
 from tx.distributed.rpc import encode_kwargs
 
@@ -45,29 +46,9 @@ class DistributedBackend(AbstractBackend):
     def _call(self, method: str, **kwargs) -> Any:
         if self.coordinator is None:
             return self._local(method, kwargs)
-        seq = self.coordinator.prepare(method, encode_kwargs(method_of(method), kwargs))
-        box: dict[str, Any] = {}
-
-        def run():
-            try:
-                box["result"] = self._local(method, kwargs)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-                box["error"] = e
-
-        # Run in a thread so a worker that dies while we sit in a collective is reported, not waited on.
-        thread = threading.Thread(target=run, daemon=True, name=f"tx-{method}")
-        thread.start()
-        while thread.is_alive():
-            thread.join(0.1)
-            self.coordinator.check_alive()
-        if "error" in box:
-            try:
-                self.coordinator.finish(seq)
-            except Exception:  # noqa: BLE001 - the local error is the one to report
-                pass
-            raise box["error"]
-        self.coordinator.finish(seq)
-        return box["result"]
+        return self.coordinator.call(method, encode_kwargs(method_of(method), kwargs),
+                                     run=lambda: self._local(method, kwargs),
+                                     view=lambda: checks.view(method, self.impl, kwargs))
 
     # ---- broadcast methods ----
 
@@ -122,8 +103,8 @@ class DistributedBackend(AbstractBackend):
     def metrics(self) -> types.EngineMetrics:
         return self.impl.metrics
 
-    def shutdown(self) -> None:
-        """Stop every worker (they exit their loop) and close the control channel."""
+    def shutdown(self, reason: str | None = None) -> None:
+        """Stop every worker (they exit their loop; non-zero with a `reason`) and close the control channel."""
         if self.coordinator is not None:
-            self.coordinator.shutdown()
+            self.coordinator.shutdown(reason=reason)
             self.coordinator = None

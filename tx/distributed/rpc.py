@@ -68,12 +68,16 @@ class Channel:
             got += len(chunk)
         return b"".join(chunks)
 
-    def recv(self) -> dict | None:
-        """The next message, or None when the peer closed the connection."""
+    def recv(self, max_bytes: int | None = None) -> dict | None:
+        """The next message, or None when the peer closed the connection. `max_bytes` bounds what an
+        unauthenticated peer can make us allocate."""
         header = self._read(_HEADER.size)
         if header is None:
             return None
-        body = self._read(_HEADER.unpack(header)[0])
+        size = _HEADER.unpack(header)[0]
+        if max_bytes is not None and size > max_bytes:
+            raise ValueError(f"control message of {size} bytes exceeds max_bytes={max_bytes}")
+        body = self._read(size)
         return None if body is None else json.loads(body)
 
     def close(self) -> None:

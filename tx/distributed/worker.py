@@ -7,42 +7,60 @@ import os
 import socket
 import threading
 import time
+from typing import Callable
 
 import jax
 
 from tx import losses
+from tx.distributed import auth, checks
 from tx.distributed.backend import method_of
 from tx.distributed.rpc import Channel, decode_kwargs
 
 logger = logging.getLogger(__name__)
 
 
-def connect(host: str, port: int, timeout: float) -> Channel:
+def connect(host: str, port: int, timeout: float, secret: Callable[[], bytes], hello: dict) -> Channel:
+    """Reach the coordinator's control port and pass its handshake (AuthError if secrets differ)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            sock = socket.create_connection((host, port), timeout=10)
-            sock.settimeout(None)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return Channel(sock)
+            sock = socket.create_connection((host, port), timeout=auth.HANDSHAKE_TIMEOUT_S)
         except OSError:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"could not reach the coordinator's control port {host}:{port} in {timeout:.0f}s")
             time.sleep(0.5)
+            continue
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        channel = Channel(sock)
+        try:
+            auth.join(channel, secret(), hello)
+        except BaseException:
+            channel.close()
+            raise
+        sock.settimeout(None)
+        return channel
 
 
-def run_worker(host: str, port: int, *, connect_timeout: float = 300.0, heartbeat_interval: float = 1.0) -> int:
-    """Serve calls from process 0 until it says shutdown (returns 0) or disappears (returns 1)."""
+def run_worker(host: str, port: int, secret: Callable[[], bytes], *, connect_timeout: float = 300.0,
+               heartbeat_interval: float = 1.0) -> int:
+    """Serve calls from process 0 until it says shutdown (returns 0, or 1 if it stops the run for a
+    failure) or disappears (returns 1)."""
     process_id = jax.process_index()
-    channel = connect(host, port, connect_timeout)
-    channel.send({"type": "hello", "process_id": process_id, "pid": os.getpid(), "losses": list(losses.names())})
+    channel = connect(host, port, connect_timeout, secret,
+                      {"process_id": process_id, "pid": os.getpid(), "losses": list(losses.names())})
     stop = threading.Event()
+    busy = threading.Event()  # set while a call executes (the main thread may be blocked in a collective)
 
     def heartbeat():
         while not stop.wait(heartbeat_interval):
             try:
                 channel.send({"type": "heartbeat"})
             except OSError:
+                if busy.is_set():
+                    # Process 0 is gone and our call cannot finish: its collectives wait for it forever.
+                    logger.error("coordinator closed the control connection during a call; exiting")
+                    logging.shutdown()
+                    os._exit(1)
                 return
 
     threading.Thread(target=heartbeat, daemon=True, name="tx-heartbeat").start()
@@ -55,7 +73,9 @@ def run_worker(host: str, port: int, *, connect_timeout: float = 300.0, heartbea
                 logger.error("coordinator closed the control connection")
                 break
             if msg["type"] == "shutdown":
-                status = 0
+                if msg.get("error"):
+                    logger.error("process 0 stopped the run: %s", msg["error"])
+                status = 1 if msg.get("error") else 0
                 break
             if msg["type"] != "call":
                 continue
@@ -64,26 +84,31 @@ def run_worker(host: str, port: int, *, connect_timeout: float = 300.0, heartbea
                 kwargs = decode_kwargs(method_of(method), msg["kwargs"])
                 if method == "debug_fail" and kwargs.get("phase") == "prepare" and process_id in kwargs["process_ids"]:
                     raise RuntimeError(kwargs["message"])
+                view = checks.view(method, backend, kwargs)
             except Exception as e:  # noqa: BLE001 - reported to process 0, which aborts the call everywhere
                 channel.send({"type": "error", "seq": seq, "error": f"{type(e).__name__}: {e}"})
                 continue
-            channel.send({"type": "ready", "seq": seq})
+            channel.send({"type": "ready", "seq": seq, "view": view})
             decision = channel.recv()
             if decision is None:
                 break
             if decision["type"] != "go":
                 continue
             error = None
+            busy.set()
             try:
+                checks.injected_failure(method, process_id)
                 if method == "__init__":
                     from tx.backends.jax import JaxBackend
 
                     backend = JaxBackend(**kwargs)
                 else:
                     getattr(backend, method)(**kwargs)
-            except Exception as e:  # noqa: BLE001 - reported; the worker keeps serving
+            except Exception as e:  # noqa: BLE001 - reported; process 0 decides whether the run can go on
                 logger.exception("call %s failed", method)
                 error = f"{type(e).__name__}: {e}"
+            finally:
+                busy.clear()
             channel.send({"type": "done", "seq": seq, "error": error})
     finally:
         stop.set()
