@@ -8,6 +8,7 @@ takes its place in that order, so the model's later requests are not held up by 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -122,8 +123,7 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
             raise ApiError(413, f"decompressed body exceeds the limit of {config.max_decompressed_bytes} bytes")
         return out
 
-    async def parse(request: Request, model: type[BaseModel]) -> Any:
-        body = await read_body(request)
+    async def validate(body: bytes, model: type[BaseModel]) -> Any:
         try:
             if len(body) > LARGE_BODY:
                 return await io(model.model_validate_json, body)
@@ -131,6 +131,24 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
         except ValidationError as e:
             problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors())
             raise ApiError(400, f"invalid {model.__name__} request: {problems}") from None
+
+    async def parse(request: Request, model: type[BaseModel]) -> Any:
+        return await validate(await read_body(request), model)
+
+    async def parse_sequenced(request: Request, model: type[BaseModel], who: Tenant) -> Any:
+        """`parse` for a model's sequenced request: a body that fails validation but names a live model of
+        `who` and a seq_id still consumes that seq_id, so the model's later requests are not held up."""
+        body = await read_body(request)
+        try:
+            return await validate(body, model)
+        except ApiError as error:
+            head = _sequence_of(body)
+            if head is not None and (row := await io(store.model, head[0])) is not None and row["owner"] == who.id:
+                try:
+                    await io(engine.submit, "rejected", str(error), f"train:{head[0]}:{head[1]}", *head, owner=who.id)
+                except UserError:  # not loaded, or that seq_id already ran: nothing to consume
+                    pass
+            raise
 
     async def live_model(model_id: str, who: Tenant) -> dict:
         model = owned(await io(store.model, model_id), who, f"model_id {model_id!r}")
@@ -303,8 +321,8 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request):
-        body = await parse(request, schemas.OptimStep)
         who = tenant(request)
+        body = await parse_sequenced(request, schemas.OptimStep, who)
         await live_model(body.model_id, who)
 
         def build():
@@ -316,16 +334,16 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
 
     @app.post("/api/v1/save_weights")
     async def save_weights(request: Request):
-        body = await parse(request, schemas.SaveWeights)
         who = tenant(request)
+        body = await parse_sequenced(request, schemas.SaveWeights, who)
         await live_model(body.model_id, who)
         return await submit_training(body.model_id, body.seq_id, "save_weights", lambda: SaveRequest(
             paths.check_name(body.path), schemas.check_ttl(body.ttl_seconds), str_metadata(body.user_metadata)), who)
 
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request):
-        body = await parse(request, schemas.SaveWeightsForSampler)
         who = tenant(request)
+        body = await parse_sequenced(request, schemas.SaveWeightsForSampler, who)
         model = await live_model(body.model_id, who)
 
         def build():
@@ -342,8 +360,8 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
 
     @app.post("/api/v1/save_weights_external")
     async def save_weights_external(request: Request):
-        body = await parse(request, schemas.SaveWeights)
         who = tenant(request)
+        body = await parse_sequenced(request, schemas.SaveWeights, who)
         await live_model(body.model_id, who)
 
         def refuse():
@@ -354,8 +372,8 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request):
-        body = await parse(request, schemas.LoadWeights)
         who = tenant(request)
+        body = await parse_sequenced(request, schemas.LoadWeights, who)
         if body.model_id is not None:  # legacy in-place load, sequenced like any training op
             if body.seq_id is None:
                 raise ApiError(400, "load_weights with model_id needs seq_id")
@@ -494,3 +512,17 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
     add_run_routes(app, store, engine, parse)
 
     return app
+
+
+def _sequence_of(body: bytes) -> tuple[str, int] | None:
+    """(model_id, seq_id) of a JSON body that names them validly, else None."""
+    try:
+        raw = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    model_id, seq_id = raw.get("model_id"), raw.get("seq_id")
+    if isinstance(model_id, str) and type(seq_id) is int and 1 <= seq_id < 2**63:
+        return model_id, seq_id
+    return None

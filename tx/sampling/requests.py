@@ -17,11 +17,10 @@ the request id (crc32), which is the same on every host and for retries of the s
 
 from __future__ import annotations
 
-import math
-import zlib
-from dataclasses import dataclass
 import logging
-from typing import Callable
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -69,10 +68,12 @@ def _check_params(p: types.SamplingParams, prompt_len: int, limits: SampleLimits
         raise ValueError(
             f"prompt of {prompt_len} tokens + max_tokens = {max_tokens} exceeds max_seq_len={limits.max_seq_len}"
         )
-    if not math.isfinite(p.temperature) or p.temperature < 0:
-        raise ValueError(f"temperature = {p.temperature} must be a finite number >= 0")
-    if not (math.isfinite(p.top_p) and 0 < p.top_p <= 1):
-        raise ValueError(f"top_p = {p.top_p} must be in (0, 1]")
+    # checked as the device holds them (float32): 1e39 is finite in Python but inf on device
+    temperature, top_p = np.float32(p.temperature), np.float32(p.top_p)
+    if not np.isfinite(temperature) or temperature < 0 or 0 < temperature < np.finfo(np.float32).tiny:
+        raise ValueError(f"temperature = {p.temperature} must be 0 or a normal float32 number > 0")
+    if not (np.isfinite(top_p) and 0 < top_p <= 1):
+        raise ValueError(f"top_p = {p.top_p} must be in (0, 1] as a float32")
     if p.top_k < -1:
         raise ValueError(f"top_k = {p.top_k} must be -1 (off), 0 (off) or a positive count")
     for s in p.stop or []:
