@@ -200,12 +200,15 @@ def test_slot_writes_donate_instead_of_copying(tiny_dirs, tmp_path):
 
 def test_slot_writes_keep_the_sharding(tiny_dirs):
     backend = new_backend(tiny_dirs, fully_sharded_data_parallel_size=2, tensor_parallel_size=2)
-    shardings = [x.sharding for x in leaves(nnx_lora(backend)) + leaves(backend._grad_sum)]
+    before = leaves(nnx_lora(backend)) + leaves(backend._grad_sum)
+    shardings = [x.sharding for x in before]
     backend.delete_model("b")
     backend.create_model("c", types.LoraConfig(rank=2, seed=3))
     backend.forward_backward(make_batch([ce_request("r", "c", random_datums(32, [8]))]))
     backend.forward(make_batch([ce_request("r", "c", random_datums(33, [8]))]))
-    assert [x.sharding for x in leaves(nnx_lora(backend)) + leaves(backend._grad_sum)] == shardings
+    after = leaves(nnx_lora(backend)) + leaves(backend._grad_sum)
+    assert all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(after, shardings))
+    assert any(not s.is_fully_replicated for s in shardings)  # the check has sharded arrays to compare
 
 
 def nnx_lora(backend):

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tx import losses, types
 from tx.backends import batching
@@ -251,7 +251,8 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         bad_slots = {slot_of[r] for r in failed}
         allowed = np.zeros(self.config.max_lora_adapters, bool)
         allowed[[s for s in slot_of.values() if s not in bad_slots]] = True
-        self._grad_sum, finite_s = commit_grads(self._grad_sum, acc, jnp.asarray(allowed))
+        allowed_s = put_global(allowed, NamedSharding(self.mesh, P()))  # the same value on every host
+        self._grad_sum, finite_s = commit_grads(self._grad_sum, acc, allowed_s)
         finite_s = to_host(finite_s)
         more: dict[int, str] = {}
         for r, slot in slot_of.items():
