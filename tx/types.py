@@ -49,8 +49,19 @@ class LoraConfig(_Strict):
         return self
 
 
+def float32_value(field: str, value: float) -> float:
+    """`value` as the device will see it (float32); raises, naming `field`, if it is not finite there
+    (e.g. 1e39 is a valid float64 but infinity in float32)."""
+    with np.errstate(over="ignore"):
+        rounded = float(np.float32(value))
+    if not np.isfinite(rounded):
+        raise ValueError(f"{field} = {value} is not finite in float32 (|value| must be < 3.4e38)")
+    return rounded
+
+
 class AdamParams(_Strict):
-    """AdamW hyperparameters of one optim_step (Tinker's defaults)."""
+    """AdamW hyperparameters of one optim_step (Tinker's defaults). Ranges hold after rounding to float32,
+    the dtype the step runs in."""
 
     learning_rate: float = Field(1e-4, ge=0)
     beta1: float = Field(0.9, ge=0, lt=1)
@@ -58,6 +69,18 @@ class AdamParams(_Strict):
     eps: float = Field(1e-12, gt=0)
     weight_decay: float = Field(0.0, ge=0, description="decoupled (AdamW), applied to this adapter only")
     grad_clip_norm: float = Field(0.0, ge=0, description="clip the global gradient norm to this; 0 = off")
+
+    @model_validator(mode="after")
+    def _float32(self) -> AdamParams:
+        for field in type(self).model_fields:
+            float32_value(field, getattr(self, field))
+        for field in ("beta1", "beta2"):
+            if float(np.float32(getattr(self, field))) >= 1.0:
+                raise ValueError(f"{field} = {getattr(self, field)} rounds to 1.0 in float32; it must be < 1")
+        tiny = float(np.finfo(np.float32).tiny)  # smaller values are denormal (flushed to 0 on accelerators)
+        if self.eps < tiny:
+            raise ValueError(f"eps = {self.eps} is denormal or 0 in float32; it must be >= {tiny:.4g}")
+        return self
 
 
 class OptimStepInput(_Strict):

@@ -52,10 +52,13 @@ def _float_field(name: str, values: list[float], n: int, datum: int) -> np.ndarr
     if len(values) != n:
         raise ValueError(f"datum {datum}: {name} has {len(values)} entries but model_input has {n} tokens")
     arr = np.asarray(values, np.float64)
-    bad = np.flatnonzero(~np.isfinite(arr))
+    with np.errstate(over="ignore"):
+        device = arr.astype(np.float32)  # what the device sees: 1e39 is finite here but inf there
+    bad = np.flatnonzero(~np.isfinite(device))
     if bad.size:
-        raise ValueError(f"datum {datum}: {name}[{bad[0]}] = {arr[bad[0]]} is not finite")
-    return arr.astype(np.float32)
+        where = "" if not np.isfinite(arr[bad[0]]) else " in float32"
+        raise ValueError(f"datum {datum}: {name}[{bad[0]}] = {arr[bad[0]]} is not finite{where}")
+    return device
 
 
 def _token_field(name: str, values: list[int], vocab: int, datum: int) -> np.ndarray:
@@ -88,8 +91,7 @@ def validate(
                 losses.get(loss)
                 config = losses.resolve_config(loss, batch.all_loss_fn_configs[i])
                 for key, value in config.items():
-                    if not math.isfinite(value):
-                        raise ValueError(f"loss_fn_config[{key!r}] = {value} is not finite")
+                    types.float32_value(f"loss_fn_config[{key!r}]", value)
                 n = len(ids)
                 if n == 0:
                     raise ValueError(f"datum {i - start}: empty sequence")

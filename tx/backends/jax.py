@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tx import losses, types
 from tx.backends import batching
@@ -26,7 +26,8 @@ from tx.backends.checkpointing import CheckpointMixin
 from tx.backends.config import JaxBackendConfig
 from tx.backends.sampler import Sampler
 from tx.backends.slots import SlotTable
-from tx.backends.steps import init_opt_state, make_model_pass, make_optim_step, split_model
+from tx.backends.steps import (commit_grads, init_opt_state, make_model_pass, make_optim_step, split_model,
+                               zero_slot)
 from tx.models.adapters import clear_adapter, init_adapter
 from tx.models.config import LoraSlots
 from tx.models.loading import load_model, resolve_model_dir
@@ -113,7 +114,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
     def _reset_accumulation(self, model_id: str, slot: int | None = None) -> None:
         """Forget what the adapter accumulated since its last step: counters, and gradient sums of `slot`."""
         if slot is not None:
-            self._grad_sum = jax.tree.map(lambda g: g.at[..., slot, :, :].set(0), self._grad_sum)
+            self._grad_sum = zero_slot(self._grad_sum, jnp.int32(slot))  # in place: the old sums are donated
         self._accumulated[model_id] = {"sequences": 0, "tokens": 0}
 
     def has_model(self, model_id: str) -> bool:
@@ -180,6 +181,9 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         return [order[i : i + m] for i in range(0, len(order), m)]
 
     def _model_pass(self, batch: types.PreparedModelPassBatch, with_grad: bool):
+        """All-or-nothing per call: gradients go into a temporary; if any micro-batch raises, the sums and
+        counters are untouched. A request whose outputs are not finite fails, and so do the other requests
+        of its model in this call (their gradients are mixed in the same slot): that slot is not committed."""
         rows, errors = batching.validate(batch, self._slot, self.model.config.vocab_size, self.max_seq_len)
         results: dict[str, types.ForwardBackwardOutput | types.ErrorResponse] = {}
         for r, message in errors.items():
@@ -187,12 +191,16 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         if not rows:
             return results
         name = "forward_backward" if with_grad else "forward"
-        key = (name, losses.names(), losses.config_keys())
         graphdef, lora, frozen = split_model(self.model)
-        fn = self._fn(key, lambda: make_model_pass(graphdef, self.config.loss_chunk_size, with_grad, self._counted(name)))
+        fns = {
+            mode: self._fn((mode, losses.names(), losses.config_keys()), lambda mode=mode: make_model_pass(
+                graphdef, self.config.loss_chunk_size, mode, self._counted(name)))
+            for mode in (("grads", "accumulate") if with_grad else ("forward",))
+        }
         fsdp = self.mesh.shape["fsdp"]
         logprobs: list[np.ndarray] = [None] * len(rows)  # type: ignore[list-item]
         elementwise: list[np.ndarray] = [None] * len(rows)  # type: ignore[list-item]
+        acc = None  # this call's gradients, committed below only once every micro-batch succeeded
         for idx in self._micro_batches(rows):
             chunk = [rows[i] for i in idx]
             num_rows = self.config.train_micro_batch_size or batching.bucket_rows(len(chunk), fsdp)
@@ -201,22 +209,29 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
             device_batch = {
                 k: put_global(v, NamedSharding(self.mesh, batch_spec(v.ndim))) for k, v in arrays.items()
             }
-            self._grad_sum, tlp_bt, loss_bt = self._run(name, fn, lora, frozen, self._grad_sum, device_batch)
+            if not with_grad:
+                tlp_bt, loss_bt = self._run(name, fns["forward"], lora, frozen, device_batch)
+            elif acc is None:
+                acc, tlp_bt, loss_bt = self._run(name, fns["grads"], lora, frozen, device_batch)
+            else:
+                acc, tlp_bt, loss_bt = self._run(name, fns["accumulate"], lora, frozen, acc, device_batch)
             tlp_bt, loss_bt = to_host(tlp_bt), to_host(loss_bt)
             for b, i in enumerate(idx):
                 n = len(rows[i].input_ids)
                 logprobs[i], elementwise[i] = tlp_bt[b, :n], loss_bt[b, :n]
-        if with_grad:
-            for row in rows:
-                model_id = batch.request_batch_slices[row.request_index][1]
-                acc = self._accumulated.get(model_id)
-                if acc is not None:
-                    acc["sequences"] += 1
-                    acc["tokens"] += len(row.input_ids)
         by_request: dict[int, list[int]] = {}
         for i, row in enumerate(rows):
             by_request.setdefault(row.request_index, []).append(i)
+        failed = {r: message for r, members in by_request.items()
+                  if (message := _non_finite_output(rows, members, logprobs, elementwise))}
+        if with_grad:
+            failed |= self._commit(batch, rows, by_request, failed, acc)
+            acc = None  # the call's temporary is freed here, not kept beside the sums
         for r, members in by_request.items():
+            request_id = batch.request_batch_slices[r][0]
+            if r in failed:
+                results[request_id] = types.ErrorResponse(error=failed[r])
+                continue
             outputs = [
                 {
                     "logprobs": types.TensorData.from_numpy(logprobs[i].astype(np.float32)),
@@ -225,10 +240,36 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
                 for i in members
             ]
             loss_sum = float(sum(elementwise[i].astype(np.float64).sum() for i in members))
-            results[batch.request_batch_slices[r][0]] = types.ForwardBackwardOutput(
-                loss_fn_outputs=outputs, metrics={"loss:sum": loss_sum}
-            )
+            results[request_id] = types.ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": loss_sum})
         return results
+
+    def _commit(self, batch, rows, by_request: dict[int, list[int]], failed: dict[int, str], acc) -> dict[int, str]:
+        """Add the call's gradients `acc` into the sums of the slots whose requests all succeeded and whose
+        new sums are finite, then count their rows. Returns the requests that fail on top of `failed`."""
+        model_of = {r: batch.request_batch_slices[r][1] for r in by_request}
+        slot_of = {r: rows[members[0]].adapter for r, members in by_request.items()}
+        bad_slots = {slot_of[r] for r in failed}
+        allowed = np.zeros(self.config.max_lora_adapters, bool)
+        allowed[[s for s in slot_of.values() if s not in bad_slots]] = True
+        allowed_s = put_global(allowed, NamedSharding(self.mesh, P()))  # the same value on every host
+        self._grad_sum, finite_s = commit_grads(self._grad_sum, acc, allowed_s)
+        finite_s = to_host(finite_s)
+        more: dict[int, str] = {}
+        for r, slot in slot_of.items():
+            if r in failed:
+                continue
+            if slot in bad_slots:
+                more[r] = (f"another request of model {model_of[r]!r} in the same pass failed with non-finite "
+                           "outputs; this pass's gradients for the model were dropped, retry this request")
+            elif not finite_s[slot]:
+                more[r] = (f"the gradient sums of model {model_of[r]!r} would not be finite in float32 after this "
+                           "pass (inputs too large?); this pass's gradients for it were dropped")
+        for r, members in by_request.items():
+            acc_counts = self._accumulated.get(model_of[r])
+            if r not in failed and r not in more and acc_counts is not None:
+                acc_counts["sequences"] += len(members)
+                acc_counts["tokens"] += sum(len(rows[i].input_ids) for i in members)
+        return more
 
     # ---- optimizer ----
 
@@ -238,10 +279,17 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         fn = self._fn(("optim_step",), lambda: make_optim_step(self._counted("optim_step")))
         hp = {k: jnp.float32(v) for k, v in request_data.adam_params.model_dump().items()}
         _, lora, _ = split_model(self.model)
-        lora, self._grad_sum, self._opt_states[model_id], metrics = self._run(
+        lora, self._grad_sum, self._opt_states[model_id], metrics, ok = self._run(
             "optim_step", fn, lora, self._grad_sum, self._opt_states[model_id], jnp.int32(slot), hp
         )
         nnx.update(self.model, lora)
+        if not bool(to_host(ok)):
+            # The step kept weights, Adam state and gradient sums as they were: a retry may use a smaller lr.
+            raise ValueError(
+                f"optim_step of model {model_id!r} refused: the update is not finite in float32 "
+                f"(learning_rate={request_data.adam_params.learning_rate}, "
+                f"grad_norm={float(to_host(metrics['grad_norm']))}); weights, Adam state and gradient sums "
+                "are unchanged")
         acc = self._accumulated[model_id]
         out = {k: float(to_host(v)) for k, v in metrics.items()}
         out |= {"learning_rate": request_data.adam_params.learning_rate,
@@ -255,3 +303,18 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
 
     def sample(self, prepared_batch: types.PreparedSampleBatch):
         return self._sampler.sample(prepared_batch)
+
+
+def _non_finite_output(rows: list[batching.Row], members: list[int], logprobs: list[np.ndarray],
+                       elementwise: list[np.ndarray]) -> str | None:
+    """Why a request's outputs cannot be returned as a success (a non-finite value), or None."""
+    for d, i in enumerate(members):
+        for field, values in (("logprobs", logprobs[i]), ("elementwise_loss", elementwise[i])):
+            bad = np.flatnonzero(~np.isfinite(values))
+            if bad.size:
+                return (f"datum {d}: {field}[{bad[0]}] = {values[bad[0]]} is not finite in float32 "
+                        "(inputs such as advantages or loss_fn_config too large?)")
+    loss_sum = sum(elementwise[i].astype(np.float64).sum() for i in members)
+    if not np.isfinite(loss_sum):
+        return f"loss:sum = {loss_sum} is not finite"
+    return None

@@ -2,16 +2,19 @@
 
 - `model_pass`: forward (optionally backward) over a padded batch whose rows belong to different
   adapters and use different losses; gradients of the summed loss w.r.t. the LoRA weights of all slots
-  are added into the gradient sums (donated). A slot's weights are touched only by its own rows (each row
-  gathers its adapter's weights), so gradients are isolated per adapter by construction.
+  go into a per-call temporary (donated between micro-batches), which `commit_grads` adds into the
+  gradient sums in place once the whole call succeeded. A slot's weights are touched only by its own rows
+  (each row gathers its adapter's weights), so gradients are isolated per adapter by construction.
 - `optim_step`: AdamW on one slot. Parameters, gradient sums and Adam moments of that slot are sliced
   out with the slot index as a traced value (one compile serves every adapter), updated, and written
-  back; hyperparameters are traced too, so changing them never recompiles. Adam moments exist per
+  back only if everything came out finite; hyperparameters are traced too, so changing them never
+  recompiles. Adam moments exist per
   adapter and are shaped like one slot, so memory is O(adapters), and weight decay only sees this slot.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable
 
 import jax
@@ -38,10 +41,17 @@ def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
 def make_model_pass(
     graphdef: nnx.GraphDef,
     chunk_size: int,
-    with_grad: bool,
+    mode: str,
     on_trace: Callable[[], None],
 ) -> Callable:
-    """`(lora, frozen, grad_sum, batch) -> (grad_sum, target_logprobs [b, t], per_token_loss [b, t])`."""
+    """The jitted pass of one micro-batch, by `mode`:
+
+    - "forward":    `(lora, frozen, batch) -> (target_logprobs [b, t], per_token_loss [b, t])`
+    - "grads":      `(lora, frozen, batch) -> (grads, tlp, loss)`: the first micro-batch of a call
+    - "accumulate": `(lora, frozen, acc, batch) -> (acc + grads, tlp, loss)`, `acc` donated
+
+    None of them reads the gradient sums: a call accumulates into its own temporary and the backend
+    commits it with `commit_grads` once every micro-batch has succeeded (all-or-nothing per call)."""
     loss_names, keys = losses.names(), losses.config_keys()
 
     def summed_loss(lora, frozen, batch):
@@ -55,27 +65,78 @@ def make_model_pass(
         loss_bt = jnp.where(batch["attention_mask"] > 0, loss_bt, 0.0)
         return jnp.sum(loss_bt), (tlp_bt, loss_bt)
 
-    def run(lora, frozen, grad_sum, batch):
+    def forward(lora, frozen, batch):
         on_trace()
-        if not with_grad:
-            _, (tlp_bt, loss_bt) = summed_loss(lora, frozen, batch)
-            return grad_sum, tlp_bt, loss_bt
-        (_, (tlp_bt, loss_bt)), grads = jax.value_and_grad(summed_loss, has_aux=True)(lora, frozen, batch)
-        return jax.tree.map(jnp.add, grad_sum, grads), tlp_bt, loss_bt
+        _, (tlp_bt, loss_bt) = summed_loss(lora, frozen, batch)
+        return tlp_bt, loss_bt
 
-    return jax.jit(run, donate_argnums=(2,) if with_grad else ())
+    def grads(lora, frozen, batch):
+        on_trace()
+        (_, (tlp_bt, loss_bt)), g = jax.value_and_grad(summed_loss, has_aux=True)(lora, frozen, batch)
+        return g, tlp_bt, loss_bt
+
+    def accumulate(lora, frozen, acc, batch):
+        g, tlp_bt, loss_bt = grads(lora, frozen, batch)
+        return jax.tree.map(jnp.add, acc, g), tlp_bt, loss_bt
+
+    if mode == "forward":
+        return jax.jit(forward)
+    if mode == "grads":
+        return jax.jit(grads)
+    if mode == "accumulate":
+        return jax.jit(accumulate, donate_argnums=(2,))
+    raise ValueError(f"model pass mode {mode!r} is not one of forward, grads, accumulate")
+
+
+def _slot_mask(x: jax.Array, ok_s: jax.Array) -> jax.Array:
+    """`ok_s` [slots] broadcast against `x` along its adapter axis."""
+    shape = [1] * x.ndim
+    shape[x.ndim + ADAPTER_AXIS] = ok_s.shape[0]
+    return ok_s.reshape(shape)
+
+
+def _finite_per_slot(tree: Any) -> jax.Array:
+    """[slots] bool: every value of that slot, over all leaves, is finite."""
+    def one(x):
+        axes = tuple(a for a in range(x.ndim) if a != x.ndim + ADAPTER_AXIS)
+        return jnp.all(jnp.isfinite(x), axis=axes)
+
+    return jnp.all(jnp.stack(jax.tree.leaves(jax.tree.map(one, tree))), axis=0)
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def commit_grads(grad_sum: Any, acc: Any, allowed_s: jax.Array) -> tuple[Any, jax.Array]:
+    """Add a call's gradients `acc` into `grad_sum` for the slots that are `allowed_s` and whose new sums
+    are finite; other slots keep their old sums bit for bit. Returns (grad_sum, finite_s). `grad_sum` is
+    donated (updated in place); the caller drops `acc` right after."""
+    new = jax.tree.map(jnp.add, grad_sum, acc)
+    finite_s = _finite_per_slot(new)
+    ok_s = allowed_s & finite_s
+    return jax.tree.map(lambda n, o: jnp.where(_slot_mask(n, ok_s), n, o), new, grad_sum), finite_s
+
+
+def _zero_slot(tree: Any, slot: jax.Array) -> Any:
+    """`tree` with adapter `slot` zeroed; jitted with `tree` donated, so it is updated in place."""
+    return jax.tree.map(lambda x: jnp.where(_slot_mask(x, jnp.arange(x.shape[ADAPTER_AXIS]) == slot), 0, x), tree)
+
+
+zero_slot = jax.jit(_zero_slot, donate_argnums=(0,))
 
 
 def take_slot(tree: Any, slot: jax.Array) -> Any:
     return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, slot, x.ndim + ADAPTER_AXIS, keepdims=False), tree)
 
 
-def put_slot(tree: Any, values: Any, slot: jax.Array) -> Any:
+def _put_slot(tree: Any, values: Any, slot: jax.Array) -> Any:
     return jax.tree.map(
         lambda x, v: jax.lax.dynamic_update_index_in_dim(x, v.astype(x.dtype), slot, x.ndim + ADAPTER_AXIS),
         tree,
         values,
     )
+
+
+# Eager callers write one slot in place: `tree` is donated, so no second copy of all slots is made.
+put_slot = jax.jit(_put_slot, donate_argnums=(0,))
 
 
 def adamw(hp: dict[str, jax.Array]) -> optax.GradientTransformation:
@@ -100,7 +161,11 @@ def init_opt_state(lora: nnx.State, slot: int, mesh: Mesh) -> optax.OptState:
 
 
 def make_optim_step(on_trace: Callable[[], None]) -> Callable:
-    """`(lora, grad_sum, opt_state, slot, hp) -> (lora, grad_sum, opt_state, metrics)`; slot reset to zero."""
+    """`(lora, grad_sum, opt_state, slot, hp) -> (lora, grad_sum, opt_state, metrics, ok)`.
+
+    `ok` says the new weights, Adam moments and metrics are all finite. Only then is the step committed
+    (weights and moments written, the slot's gradient sums zeroed); otherwise every output equals its
+    input bit for bit, so a refused step can be retried, e.g. with a smaller learning rate."""
 
     def step(lora, grad_sum, opt_state, slot, hp):
         on_trace()
@@ -108,17 +173,21 @@ def make_optim_step(on_trace: Callable[[], None]) -> Callable:
         grad_norm = optax.tree.norm(grads)
         clip = hp["grad_clip_norm"]
         clip_scale = jnp.where((clip > 0) & (grad_norm > clip), clip / jnp.maximum(grad_norm, 1e-30), 1.0)
-        grads = jax.tree.map(lambda g: g * clip_scale, grads)
-        updates, opt_state = adamw(hp).update(grads, opt_state, params)
+        clipped = jax.tree.map(lambda g: g * clip_scale, grads)
+        updates, new_state = adamw(hp).update(clipped, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        lora = put_slot(lora, new_params, slot)
-        grad_sum = put_slot(grad_sum, jax.tree.map(jnp.zeros_like, grads), slot)
         metrics = {
             "grad_norm": grad_norm,
             "grad_clip_scale": clip_scale,
             "update_norm": optax.tree.norm(updates),
             "param_norm": optax.tree.norm(new_params),
         }
-        return lora, grad_sum, opt_state, metrics
+        checked = jax.tree.leaves((new_params, new_state, metrics))
+        ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in checked if jnp.issubdtype(x.dtype, jnp.floating)]))
+        keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+        lora = _put_slot(lora, jax.tree.map(keep, new_params, params), slot)
+        grad_sum = _put_slot(grad_sum, jax.tree.map(lambda g: jnp.where(ok, jnp.zeros_like(g), g), grads), slot)
+        opt_state = jax.tree.map(keep, new_state, opt_state)
+        return lora, grad_sum, opt_state, metrics, ok
 
     return jax.jit(step, donate_argnums=(0, 1, 2))

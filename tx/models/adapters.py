@@ -11,6 +11,7 @@ exactly nothing and receive exactly zero gradient.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Iterator
 
 import jax
@@ -61,10 +62,15 @@ def _set_slot(var: nnx.Variable, slot: int, value_at_slot: jax.Array | np.ndarra
     """Write `value_at_slot` (shaped `_slot_shape(var)`) into adapter `slot`. Host values go in as numpy, so
     the update is the same SPMD program on every process of a multi-host run."""
     full = var.get_value()
-    value_at_slot = np.asarray(value_at_slot)
-    index = [slice(None)] * full.ndim
-    index[_adapter_axis(var)] = slot
-    var.set_value(full.at[tuple(index)].set(value_at_slot.astype(full.dtype)))
+    value_at_slot = np.asarray(value_at_slot).astype(full.dtype)
+    var.set_value(_write_slot(full, value_at_slot, np.int32(slot), _adapter_axis(var) % full.ndim))
+
+
+@partial(jax.jit, static_argnums=(3,), donate_argnums=(0,))
+def _write_slot(full: jax.Array, value_at_slot: jax.Array, slot: jax.Array, axis: int) -> jax.Array:
+    """`full` with index `slot` of `axis` replaced, in place: `full` is donated, so writing one slot never
+    holds a second copy of all slots (the slot is traced: one compile per shape serves every slot)."""
+    return jax.lax.dynamic_update_index_in_dim(full, value_at_slot, slot, axis)
 
 
 def clear_adapter(model: Any, slot: int) -> None:
