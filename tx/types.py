@@ -37,7 +37,8 @@ class LoraConfig(_Strict):
 
     rank: int = Field(32, ge=1, description="LoRA rank r (<= the backend's max_lora_rank)")
     alpha: float = Field(32.0, gt=0, description="scaling numerator: the delta is (alpha / rank) * x A B")
-    seed: int | None = Field(None, description="seed of the A init; None draws one at random")
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63,
+                             description="seed of the A init (a 64-bit integer); None derives one from the model id")
     train_attn: bool = Field(True, description="adapt q/k/v/o projections")
     train_mlp: bool = Field(True, description="adapt MLP (and MoE expert) projections")
     train_unembed: bool = Field(True, description="adapt the LM head")

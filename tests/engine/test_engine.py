@@ -337,3 +337,11 @@ def test_a_request_must_fit_one_backend_call():
     with pytest.raises(ValidationError, match="max_request_tokens 2000 exceeds max_pass_tokens 1000"):
         EngineConfig(checkpoint_root="x", max_request_tokens=2000, max_pass_tokens=1000)
     assert EngineConfig(checkpoint_root="x").max_request_tokens <= EngineConfig(checkpoint_root="x").max_pass_tokens
+
+
+def test_non_finite_metrics_are_reported_not_dropped():
+    from tx.engine.engine import finite_metrics
+
+    assert finite_metrics({"grad_norm": 2.0, "learning_rate": 1e-4}) == {"grad_norm": 2.0, "learning_rate": 1e-4}
+    with pytest.raises(RuntimeError, match="learning_rate"):
+        finite_metrics({"grad_norm": 2.0, "learning_rate": float("inf")})

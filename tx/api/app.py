@@ -8,20 +8,19 @@ takes its place in that order, so the model's later requests are not held up by 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 from typing import Any
 
-import zstandard
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from tx import losses, types
-from tx.api import schemas, wire
+from tx.api import bodies, schemas, wire
 from tx.api.common import ApiError, Tenant, found, owned, page, str_metadata, tenant
+from tx.api.config import TINKER_LORA_ALPHA, ApiConfig, ServedModel  # noqa: F401 - ApiConfig re-exported
 from tx.api.runs import add_run_routes
 from tx.engine import paths
 from tx.engine.engine import Engine
@@ -37,36 +36,6 @@ from tx.engine.ops import (
 from tx.engine.store import Store
 
 logger = logging.getLogger(__name__)
-LARGE_BODY = 1 << 16  # bodies past this many bytes are decoded in a worker thread, not on the event loop
-
-
-class ApiConfig(BaseModel):
-    api_keys: list[str] = Field(default_factory=list, description="accepted X-API-Key values, one tenant each")
-    admin_api_keys: list[str] = Field(default_factory=list, description="X-API-Key values that see every tenant's work")
-    no_auth: bool = Field(False, description="accept any key (local use): each distinct key value is a tenant")
-    max_body_bytes: int = Field(64 << 20, ge=1024, description="largest request body (as sent)")
-    max_decompressed_bytes: int = Field(256 << 20, ge=1024, description="largest zstd-decompressed body")
-    long_poll_s: float = Field(30.0, gt=0, le=40, description="how long retrieve_future holds a pending request")
-    compress_fwdbwd: bool = Field(True, description="ask the SDK to zstd-compress forward_backward bodies")
-    read_timeout_s: float = Field(30.0, gt=0, description="a request's headers must arrive within this many seconds "
-                                  "and its body without a longer pause (slow clients are disconnected)")
-
-
-# Tinker's LoRA alpha: adapters scale by 32 / rank, so the cookbook's learning rates (hyperparam_utils,
-# lora_alpha=32) transfer unchanged and do not depend on the rank.
-TINKER_LORA_ALPHA = 32.0
-
-
-class ServedModel(BaseModel):
-    """What this server serves: the base model's public name and where clients find its tokenizer."""
-
-    model_name: str
-    aliases: list[str]
-    tokenizer_id: str
-    arch: str
-    max_context_length: int
-    max_lora_rank: int
-    max_num_samples: int
 
 
 def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedModel) -> FastAPI:
@@ -99,38 +68,9 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
         return await call_next(request)
 
     async def read_body(request: Request) -> bytes:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
-            raise ApiError(413, f"body of {declared} bytes exceeds the limit of {config.max_body_bytes}")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > config.max_body_bytes:
-                raise ApiError(413, f"body exceeds the limit of {config.max_body_bytes} bytes")
-            chunks.append(chunk)
-        body = b"".join(chunks)
-        encoding = request.headers.get("content-encoding", "").lower()
-        if encoding in ("", "identity"):
-            return body
-        if encoding != "zstd":
-            raise ApiError(415, f"Content-Encoding {encoding!r} is not supported (zstd or none)")
-        try:
-            reader = zstandard.ZstdDecompressor().stream_reader(body)
-            out = await io(reader.read, config.max_decompressed_bytes + 1)
-        except zstandard.ZstdError as e:
-            raise ApiError(400, f"body is not valid zstd: {e}") from None
-        if len(out) > config.max_decompressed_bytes:
-            raise ApiError(413, f"decompressed body exceeds the limit of {config.max_decompressed_bytes} bytes")
-        return out
+        return await bodies.read_body(request, config.max_body_bytes, config.max_decompressed_bytes)
 
-    async def validate(body: bytes, model: type[BaseModel]) -> Any:
-        try:
-            if len(body) > LARGE_BODY:
-                return await io(model.model_validate_json, body)
-            return model.model_validate_json(body or b"{}")
-        except ValidationError as e:
-            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors())
-            raise ApiError(400, f"invalid {model.__name__} request: {problems}") from None
+    validate = bodies.validate
 
     async def parse(request: Request, model: type[BaseModel]) -> Any:
         return await validate(await read_body(request), model)
@@ -142,7 +82,7 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
         try:
             return await validate(body, model)
         except ApiError as error:
-            head = _sequence_of(body)
+            head = bodies.sequence_of(body)
             if head is not None and (row := await io(store.model, head[0])) is not None and row["owner"] == who.id:
                 try:
                     await io(engine.submit, "rejected", str(error), f"train:{head[0]}:{head[1]}", *head, owner=who.id)
@@ -513,16 +453,3 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
 
     return app
 
-
-def _sequence_of(body: bytes) -> tuple[str, int] | None:
-    """(model_id, seq_id) of a JSON body that names them validly, else None."""
-    try:
-        raw = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(raw, dict):
-        return None
-    model_id, seq_id = raw.get("model_id"), raw.get("seq_id")
-    if isinstance(model_id, str) and type(seq_id) is int and 1 <= seq_id < 2**63:
-        return model_id, seq_id
-    return None

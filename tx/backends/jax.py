@@ -135,13 +135,21 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
             )
         # An unseeded adapter gets a seed derived from its id: reproducible, and equal on every host.
         seed = lora_config.seed if lora_config.seed is not None else zlib.crc32(model_id.encode())
-        init_adapter(
-            self.model, slot, rank=lora_config.rank, alpha=lora_config.alpha, seed=seed,
-            train_attn=lora_config.train_attn, train_mlp=lora_config.train_mlp, train_unembed=lora_config.train_unembed,
-        )
-        _, lora, _ = split_model(self.model)
-        self._opt_states[model_id] = init_opt_state(lora, slot, self.mesh)
-        self._reset_accumulation(model_id)
+        try:
+            init_adapter(
+                self.model, slot, rank=lora_config.rank, alpha=lora_config.alpha, seed=seed,
+                train_attn=lora_config.train_attn, train_mlp=lora_config.train_mlp,
+                train_unembed=lora_config.train_unembed,
+            )
+            _, lora, _ = split_model(self.model)
+            self._opt_states[model_id] = init_opt_state(lora, slot, self.mesh)
+            self._reset_accumulation(model_id)
+        except BaseException:  # the slot must not leak (nor keep half an adapter)
+            self._opt_states.pop(model_id, None)
+            self._accumulated.pop(model_id, None)
+            clear_adapter(self.model, slot)
+            self.slots.release(slot)
+            raise
         self.models[model_id] = types.ModelMetadata(
             model_id=model_id, adapter_index=slot, lora_config=lora_config.model_copy(update={"seed": seed})
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -31,6 +32,23 @@ class _Kept:
 
     def nbytes(self) -> int:
         return sum(len(body) for _, _, (_, body) in self.results)
+
+
+def error_payload(message: str, category: str) -> Encoded:
+    return "application/json", json.dumps({"error": message, "category": category}).encode()
+
+
+def json_payload(value: dict) -> Encoded:
+    return "application/json", json.dumps(value, allow_nan=False).encode()
+
+
+def finite_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """Metrics as JSON numbers. The backend refuses a step whose metrics are not finite, so one here is a
+    bug: it is reported (the request fails naming it), never dropped."""
+    bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
+    if bad:
+        raise RuntimeError(f"the backend returned non-finite metrics {bad}; the step's result cannot be reported")
+    return {k: float(v) for k, v in metrics.items()}
 
 
 def _note(message: str) -> Encoded:

@@ -1,0 +1,34 @@
+"""Settings of the HTTP API and what the served model tells clients."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class ApiConfig(BaseModel):
+    api_keys: list[str] = Field(default_factory=list, description="accepted X-API-Key values, one tenant each")
+    admin_api_keys: list[str] = Field(default_factory=list, description="X-API-Key values that see every tenant's work")
+    no_auth: bool = Field(False, description="accept any key (local use): each distinct key value is a tenant")
+    max_body_bytes: int = Field(64 << 20, ge=1024, description="largest request body (as sent)")
+    max_decompressed_bytes: int = Field(256 << 20, ge=1024, description="largest zstd-decompressed body")
+    long_poll_s: float = Field(30.0, gt=0, le=40, description="how long retrieve_future holds a pending request")
+    compress_fwdbwd: bool = Field(True, description="ask the SDK to zstd-compress forward_backward bodies")
+    read_timeout_s: float = Field(30.0, gt=0, description="a request's headers must arrive within this many seconds "
+                                  "and its body without a longer pause (slow clients are disconnected)")
+
+
+# Tinker's LoRA alpha: adapters scale by 32 / rank, so the cookbook's learning rates (hyperparam_utils,
+# lora_alpha=32) transfer unchanged and do not depend on the rank.
+TINKER_LORA_ALPHA = 32.0
+
+
+class ServedModel(BaseModel):
+    """What this server serves: the base model's public name and where clients find its tokenizer."""
+
+    model_name: str
+    aliases: list[str]
+    tokenizer_id: str
+    arch: str
+    max_context_length: int
+    max_lora_rank: int
+    max_num_samples: int
