@@ -220,7 +220,9 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
                                            train_attn=lora.train_attn, train_mlp=lora.train_mlp,
                                            train_unembed=lora.train_unembed)
         except ValidationError as e:
-            raise ApiError(400, f"lora_config: {e.errors()[0]['msg']}") from None
+            err = e.errors()[0]
+            where = "".join(f".{part}" for part in err["loc"])
+            raise ApiError(400, f"lora_config{where} = {err.get('input')!r}: {err['msg']}") from None
         model_id = paths.model_id_of(body.session_id, body.model_seq_id)
         key = f"create:{body.session_id}:{body.model_seq_id}"
         if (known := await io(store.future_by_key, key)) is not None:

@@ -264,6 +264,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         finite_s = to_host(finite_s)
         more: dict[int, str] = {}
         for r, slot in slot_of.items():
+            members = by_request[r]
             if r in failed:
                 continue
             if slot in bad_slots:
@@ -271,7 +272,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
                            "outputs; this pass's gradients for the model were dropped, retry this request")
             elif not finite_s[slot]:
                 more[r] = (f"the gradient sums of model {model_of[r]!r} would not be finite in float32 after this "
-                           "pass (inputs too large?); this pass's gradients for it were dropped")
+                           f"pass ({_largest_inputs(rows, members)}); this pass's gradients for it were dropped")
         for r, members in by_request.items():
             acc_counts = self._accumulated.get(model_of[r])
             if r not in failed and r not in more and acc_counts is not None:
@@ -321,8 +322,17 @@ def _non_finite_output(rows: list[batching.Row], members: list[int], logprobs: l
             bad = np.flatnonzero(~np.isfinite(values))
             if bad.size:
                 return (f"datum {d}: {field}[{bad[0]}] = {values[bad[0]]} is not finite in float32 "
-                        "(inputs such as advantages or loss_fn_config too large?)")
+                        f"({_largest_inputs(rows, [i])})")
     loss_sum = sum(elementwise[i].astype(np.float64).sum() for i in members)
     if not np.isfinite(loss_sum):
         return f"loss:sum = {loss_sum} is not finite"
     return None
+
+
+def _largest_inputs(rows: list[batching.Row], members: list[int]) -> str:
+    """The datums' inputs by largest magnitude, so an overflow names the field that caused it."""
+    sizes = {field: max(float(np.abs(getattr(rows[i], field)).max(initial=0.0)) for i in members)
+             for field in ("weights", "advantages", "logprobs")}
+    sizes["loss_fn_config"] = max(float(np.abs(rows[i].config).max(initial=0.0)) for i in members)
+    ranked = sorted(sizes.items(), key=lambda kv: -kv[1])
+    return "largest |inputs|: " + ", ".join(f"{field} {size:.3g}" for field, size in ranked)
