@@ -83,7 +83,7 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
             return await validate(body, model)
         except ApiError as error:
             head = bodies.sequence_of(body)
-            if head is not None and (row := await io(store.model, head[0])) is not None and row["owner"] == who.id:
+            if head is not None and (row := await io(store.model, head[0])) is not None and who.sees(row["owner"]):
                 try:
                     await io(engine.submit, "rejected", str(error), f"train:{head[0]}:{head[1]}", *head, owner=who.id)
                 except UserError:  # not loaded, or that seq_id already ran: nothing to consume
