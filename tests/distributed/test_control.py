@@ -279,3 +279,32 @@ def test_views_that_differ_abort_the_call_on_every_host():
     assert coordinator.call("load_checkpoint", {}, run=lambda: "ran",
                             view=lambda: {"ckpt": "CheckpointNotFound: no checkpoint at ckpt"}) == "ran"
     coordinator.shutdown(timeout=5)
+
+
+def test_a_stop_signal_during_a_call_takes_effect_once_the_call_ended_everywhere():
+    """SIGTERM on process 0 mid-call must not leave the workers inside the call (they could not take the
+    shutdown message and would exit 1): the stop is raised after every host finished the call."""
+    import signal
+
+    coordinator = pair(delay=0.6)  # the worker finishes its part 0.6 s after 'go'
+    finished = []
+
+    def run():
+        time.sleep(0.4)
+        finished.append("process 0")
+        return "ok"
+
+    def stop(*_):
+        raise SystemExit(143)
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)  # the stop arrives while both hosts are in the call
+        start = time.monotonic()
+        with pytest.raises(SystemExit):
+            coordinator.call("forward", {}, run=run)
+        assert finished == ["process 0"] and time.monotonic() - start >= 0.55
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    coordinator.shutdown(timeout=5)

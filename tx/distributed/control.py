@@ -221,7 +221,19 @@ class Coordinator:
         return seq
 
     def execute(self, seq: int, method: str, run: Callable[[], Any]) -> Any:
-        """Step 3: run process 0's part in a thread while polling the workers' reports."""
+        """Step 3: run process 0's part in a thread while polling the workers' reports. A stop signal
+        (SIGTERM, Ctrl-C) that arrives meanwhile takes effect once the call has ended on every host, so the
+        workers are between calls, and can take the shutdown message, when process 0 stops."""
+        stopping: list[BaseException] = []
+        try:
+            result = self._execute(seq, method, run, stopping)
+        except (SystemExit, KeyboardInterrupt) as e:
+            stopping.append(e)
+        if stopping:
+            raise stopping[0]
+        return result
+
+    def _execute(self, seq: int, method: str, run: Callable[[], Any], stopping: list[BaseException]) -> Any:
         box: dict[str, Any] = {}
 
         def target():
@@ -235,7 +247,11 @@ class Coordinator:
         replies: dict[int, dict] = {}
         failed_at = None
         while thread.is_alive():
-            thread.join(POLL_S)
+            try:
+                thread.join(POLL_S)
+            except (SystemExit, KeyboardInterrupt) as e:  # raised by a signal handler: finish the call first
+                stopping.append(e)
+                continue
             self._gather(seq, ("done",), replies)
             failed = {pid: r["error"] for pid, r in replies.items() if r.get("error")}
             if failed and failed_at is None:

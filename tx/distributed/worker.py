@@ -73,9 +73,7 @@ def run_worker(host: str, port: int, secret: Callable[[], bytes], *, connect_tim
                 logger.error("coordinator closed the control connection")
                 break
             if msg["type"] == "shutdown":
-                if msg.get("error"):
-                    logger.error("process 0 stopped the run: %s", msg["error"])
-                status = 1 if msg.get("error") else 0
+                status = _shutdown_status(msg)
                 break
             if msg["type"] != "call":
                 continue
@@ -91,6 +89,9 @@ def run_worker(host: str, port: int, secret: Callable[[], bytes], *, connect_tim
             channel.send({"type": "ready", "seq": seq, "view": view})
             decision = channel.recv()
             if decision is None:
+                break
+            if decision["type"] == "shutdown":  # process 0 stopped before deciding on this call
+                status = _shutdown_status(decision)
                 break
             if decision["type"] != "go":
                 continue
@@ -114,3 +115,11 @@ def run_worker(host: str, port: int, secret: Callable[[], bytes], *, connect_tim
         stop.set()
         channel.close()
     return status
+
+
+def _shutdown_status(msg: dict) -> int:
+    """Exit status for process 0's shutdown message: 1 when it stopped the run for a failure."""
+    if msg.get("error"):
+        logger.error("process 0 stopped the run: %s", msg["error"])
+        return 1
+    return 0
