@@ -35,7 +35,17 @@ class JaxBackendConfig(BaseModel):
     )
     enforce_eager: bool = Field(False, description="run without jit (debugging)")
     shard_attention_heads: bool = Field(True, description="shard attention heads over 'tp' when they divide")
-    gradient_checkpointing: bool = Field(False, description="recompute each layer in the backward pass")
+    gradient_checkpointing: bool = Field(
+        True, description="recompute each layer in the backward pass (what it keeps: remat_policy)"
+    )
+    remat_policy: Literal["layer", "dots_saveable", "dots_with_no_batch_dims_saveable"] = Field(
+        "layer", description="with gradient_checkpointing, what each layer keeps for the backward pass: 'layer' "
+        "only its input (least memory), 'dots_saveable' every matmul output (faster, more memory)"
+    )
+    attention_impl: Literal["auto", "blockwise", "cudnn", "splash", "reference"] = Field(
+        "auto", description="attention kernel: 'auto' picks splash on TPU, cuDNN on GPU, blockwise elsewhere; "
+        "'reference' is the dense O(t^2)-memory oracle"
+    )
     loss_chunk_size: int = Field(1024, ge=1, description="tokens per chunk of the log-prob computation")
     dtype: Literal["float32", "bfloat16"] | None = Field(None, description="base weight dtype (default: checkpoint's)")
     coordinator_address: str | None = Field(None, description="host:port of process 0 (multi-host)")

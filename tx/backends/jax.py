@@ -63,7 +63,8 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
             LoraSlots(max_lora_adapters=config.max_lora_adapters, max_lora_rank=config.max_lora_rank),
             self.mesh,
             dtype=config.dtype,
-            gradient_checkpointing=config.gradient_checkpointing,
+            remat_policy=config.remat_policy if config.gradient_checkpointing else "none",
+            attention_impl=config.attention_impl,
             shard_attention_heads=config.shard_attention_heads,
         )
         self.max_seq_len = config.max_seq_len or self.model.config.max_position_embeddings

@@ -172,11 +172,18 @@ def resolve_model_dir(name_or_path: str | Path) -> Path:
 
 
 def build_abstract(
-    cfg: ModelConfig, slots: LoraSlots, *, dtype: str | None = None, gradient_checkpointing: bool = False
+    cfg: ModelConfig,
+    slots: LoraSlots,
+    *,
+    dtype: str | None = None,
+    remat_policy: str = "none",
+    attention_impl: str = "auto",
 ) -> nnx.Module:
     cls = model_class(cfg.architecture)
     return nnx.eval_shape(
-        lambda: cls(cfg, slots, dtype=dtype, gradient_checkpointing=gradient_checkpointing, rngs=nnx.Rngs(0))
+        lambda: cls(
+            cfg, slots, dtype=dtype, remat_policy=remat_policy, attention_impl=attention_impl, rngs=nnx.Rngs(0)
+        )
     )
 
 
@@ -186,7 +193,8 @@ def load_model(
     mesh: Mesh | None = None,
     *,
     dtype: str | None = None,
-    gradient_checkpointing: bool = False,
+    remat_policy: str = "none",
+    attention_impl: str = "auto",
     shard_attention_heads: bool = True,
 ) -> nnx.Module:
     """Load an HF Qwen3 / Qwen3-MoE checkpoint onto `mesh` (default: one device) with empty LoRA slots."""
@@ -194,7 +202,7 @@ def load_model(
     cfg = ModelConfig.from_dir(model_dir)
     slots = slots or LoraSlots()
     mesh = mesh or make_mesh(devices=jax.devices()[:1])
-    abstract = build_abstract(cfg, slots, dtype=dtype, gradient_checkpointing=gradient_checkpointing)
+    abstract = build_abstract(cfg, slots, dtype=dtype, remat_policy=remat_policy, attention_impl=attention_impl)
     graphdef, state = nnx.split(abstract)
     files = SafetensorsDir(model_dir)
     loaded = {}

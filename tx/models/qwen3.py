@@ -28,6 +28,23 @@ from tx.models.registry import register
 
 _init = nnx.initializers.normal(0.02)
 
+# What a layer keeps for the backward pass under gradient checkpointing (`remat_policy`); "none" = no remat.
+# "layer" keeps only each layer's input: least memory (≈ tokens × hidden per layer), one extra forward.
+# "dots_saveable" keeps every matmul output: little recompute, memory ≈ tokens × (all projection widths).
+REMAT_POLICIES = {
+    "none": None,
+    "layer": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def remat_policy(name: str):
+    """The `jax.checkpoint` policy called `name` (None for "none")."""
+    if name not in REMAT_POLICIES:
+        raise ValueError(f"remat_policy={name!r} is not one of {', '.join(REMAT_POLICIES)}")
+    return REMAT_POLICIES[name]
+
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, moe: bool, stack: tuple[int, ...], dtype, slots: LoraSlots, rngs):
@@ -46,10 +63,10 @@ class DecoderLayer(nnx.Module):
 class DecoderStack(nnx.Module):
     """Consecutive layers of one kind, weights stacked on a leading axis, applied with `lax.scan`."""
 
-    def __init__(self, cfg: ModelConfig, layer_ids: tuple[int, ...], *, moe: bool, remat: bool, **kw):
+    def __init__(self, cfg: ModelConfig, layer_ids: tuple[int, ...], *, moe: bool, remat_policy: str, **kw):
         self.layer_ids = layer_ids
         self.moe = moe
-        self.remat = remat
+        self.remat_policy = remat_policy
         self.layer = DecoderLayer(cfg, moe=moe, stack=(len(layer_ids),), **kw)
 
     def __call__(self, x_btd, cos_sin, mask_bts, adapter_b: jax.Array | None, cache=None, return_kv=False):
@@ -62,8 +79,9 @@ class DecoderStack(nnx.Module):
             h_btd, kv = nnx.merge(graphdef, layer_state)(h_btd, cos_sin, mask_bts, adapter_b, layer_cache)
             return h_btd, (kv if return_kv or layer_cache is not None else None)
 
-        if self.remat:  # per-layer gradient checkpointing: keep only each layer's input
-            body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+        policy = remat_policy(self.remat_policy)
+        if policy is not None:  # per-layer gradient checkpointing: the policy says what the backward may keep
+            body = jax.checkpoint(body, policy=policy)
         if cache is None:
             return jax.lax.scan(body, x_btd, (state, None))
         k_cache, v_cache, write_pos_b = cache
@@ -115,16 +133,18 @@ class Qwen3ForCausalLM(nnx.Module):
         slots: LoraSlots,
         *,
         dtype: jnp.dtype | None = None,
-        gradient_checkpointing: bool = False,
+        remat_policy: str = "none",
+        attention_impl: str = "auto",
         rngs: nnx.Rngs,
     ):
         dtype = jnp.dtype(dtype or cfg.dtype)
         self.config = cfg
         self.slots = slots
+        self.attention_impl = attention_impl
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.stacks = nnx.List(
             [
-                DecoderStack(cfg, ids, moe=moe, remat=gradient_checkpointing, dtype=dtype, slots=slots, rngs=rngs)
+                DecoderStack(cfg, ids, moe=moe, remat_policy=remat_policy, dtype=dtype, slots=slots, rngs=rngs)
                 for moe, ids in layer_groups(cfg)
             ]
         )

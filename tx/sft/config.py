@@ -82,7 +82,9 @@ class SFTConfig(_Strict):
     wandb_project: str | None = Field(None, description="also log to Weights & Biases (needs the wandb package)")
     max_lora_adapters: int | None = Field(None, ge=2, description="default: runs + 1")
     loss_chunk_size: int = Field(1024, ge=1)
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(True, description="recompute each layer in the backward pass")
+    remat_policy: Literal["layer", "dots_saveable", "dots_with_no_batch_dims_saveable"] = "layer"
+    attention_impl: Literal["auto", "blockwise", "cudnn", "splash", "reference"] = "auto"
 
     @model_validator(mode="after")
     def _check(self) -> SFTConfig:

@@ -58,6 +58,8 @@ class SFTTrainer:
             max_seq_len=max(cfg.pack_length or 0, cfg.data.max_length),
             loss_chunk_size=cfg.loss_chunk_size,
             gradient_checkpointing=cfg.gradient_checkpointing,
+            remat_policy=cfg.remat_policy,
+            attention_impl=cfg.attention_impl,
         ))
         tokenizer = AutoTokenizer.from_pretrained(str(self.backend.model_dir))
         cache = None if cfg.disable_cache else cfg.cache_dir
