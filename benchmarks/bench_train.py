@@ -62,8 +62,9 @@ def bench_tx(model_dir: Path, args, adapters: int) -> dict:
     import tx
     from tx import types
 
-    backend = tx.JaxBackend(str(model_dir), tx.JaxBackendConfig(max_lora_adapters=adapters + 1, max_lora_rank=RANK,
-                                                                max_seq_len=args.seq_len + 1))
+    backend = tx.JaxBackend(str(model_dir), tx.JaxBackendConfig(
+        max_lora_adapters=adapters + 1, max_lora_rank=RANK, max_seq_len=args.seq_len + 1,
+        gradient_checkpointing=args.gradient_checkpointing, attention_impl=args.attention_impl))
     for a in range(adapters):
         backend.create_model(f"m{a}", types.LoraConfig(rank=RANK, seed=a))
     times = []
@@ -97,6 +98,9 @@ def bench_peft(model_dir: Path, args, adapters: int) -> dict:
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
     cfg = LoraConfig(r=RANK, lora_alpha=32, target_modules=targets)
     model = get_peft_model(base, cfg, adapter_name="m0")
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
     for a in range(1, adapters):
         model.add_adapter(f"m{a}", cfg)
     optimizers = {}
@@ -133,11 +137,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="measured steps")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps (compilation)")
     parser.add_argument("--skip-peft", action="store_true")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="both frameworks recompute each layer in the backward pass (default: neither does, "
+                        "PEFT's default; tx's own default is on)")
+    parser.add_argument("--attention-impl", default="auto", help="tx's attention kernel")
     args = parser.parse_args()
 
     with random_model(args) as (model_dir, params):
         shapes = {"params": params, "batch": args.batch, "seq_len": args.seq_len, "hidden": args.hidden_size,
-                  "layers": args.num_layers, "vocab": args.vocab_size, "rank": RANK}
+                  "layers": args.num_layers, "vocab": args.vocab_size, "rank": RANK,
+                  "gradient_checkpointing": args.gradient_checkpointing, "attention_impl": args.attention_impl}
         for adapters in (1, args.adapters):
             workload = f"train_{adapters}_adapter{'s' if adapters > 1 else ''}"
             rows = {}
