@@ -98,6 +98,11 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         with ctx:
             return fn(*args, **kwargs)
 
+    def _count_tokens(self, name: str, real: int, padded: int) -> None:
+        """Tokens of the datums and of the padded device batch of one jit call (the padding overhead)."""
+        for counter, n in ((self.metrics.tokens_real, real), (self.metrics.tokens_padded, padded)):
+            counter[name] = counter.get(name, 0) + n
+
     def _slot(self, model_id: str) -> int:
         if model_id not in self.models:
             raise KeyError(f"unknown model_id {model_id!r}")
@@ -184,10 +189,11 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         return self._model_pass(prepared_batch, with_grad=False)
 
     def _micro_batches(self, rows: list[batching.Row]) -> list[list[int]]:
-        """Row indices per jit call: longest first, so rows of similar length share a padded shape."""
-        order = sorted(range(len(rows)), key=lambda i: -len(rows[i].input_ids))
-        m = self.config.train_micro_batch_size or len(order)
-        return [order[i : i + m] for i in range(0, len(order), m)]
+        """Row indices per jit call: rows of all requests sorted by length and packed under the token
+        budget (see `batching.plan_micro_batches`); the same plan on every host."""
+        return batching.plan_micro_batches(
+            [len(r.input_ids) for r in rows], self.config.train_micro_batch_tokens,
+            self.config.train_micro_batch_size, self.mesh.shape["fsdp"])
 
     def _model_pass(self, batch: types.PreparedModelPassBatch, with_grad: bool):
         """All-or-nothing per call: gradients go into a temporary; if any micro-batch raises, the sums and
@@ -212,9 +218,10 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         acc = None  # this call's gradients, committed below only once every micro-batch succeeded
         for idx in self._micro_batches(rows):
             chunk = [rows[i] for i in idx]
-            num_rows = self.config.train_micro_batch_size or batching.bucket_rows(len(chunk), fsdp)
-            seq_len = batching.bucket_length(max(len(r.input_ids) for r in chunk))
+            num_rows, seq_len = batching.micro_batch_shape(
+                [len(r.input_ids) for r in chunk], fsdp, self.config.train_micro_batch_size)
             arrays = batching.pack(chunk, num_rows, seq_len, len(losses.config_keys()))
+            self._count_tokens(name, sum(len(r.input_ids) for r in chunk), num_rows * seq_len)
             device_batch = {
                 k: put_global(v, NamedSharding(self.mesh, batch_spec(v.ndim))) for k, v in arrays.items()
             }
