@@ -2,8 +2,6 @@
 the issue's mixed-length round (padded <= 1.5x real tokens, counted in the backend's metrics), results and
 gradients equal to one big batch, an over-budget row running alone, and a bounded number of shapes."""
 
-import itertools
-
 import numpy as np
 import pytest
 
@@ -28,16 +26,16 @@ def row_bucket(n: int, multiple: int, cap: int) -> int:
     return min(rows, cap) if cap else rows
 
 
-def group_cost(lengths, group, budget, cap, multiple):
-    """Padded tokens + one call of a group, or None when the group is not allowed: over the row cap, or
-    over the budget while bigger than one row bucket."""
+def group_cost(lengths, group, budget, cap, multiple, new_shape_cost=0):
+    """Padded tokens + one call + one compile of a group, or None when the group is not allowed: over the
+    row cap, or over the budget while bigger than one row bucket."""
     if cap and len(group) > cap:
         return None
     seq = length_bucket(max(lengths[i] for i in group))
     tokens = row_bucket(len(group), multiple, cap) * seq
     if tokens > budget and tokens > row_bucket(1, multiple, cap) * seq:
         return None
-    return tokens + CALL_COST_TOKENS
+    return tokens + CALL_COST_TOKENS + new_shape_cost
 
 
 def partitions(items):
@@ -51,10 +49,10 @@ def partitions(items):
         yield [[first]] + part
 
 
-def brute_force_cost(lengths, budget, cap, multiple):
+def brute_force_cost(lengths, budget, cap, multiple, new_shape_cost):
     best = None
     for part in partitions(list(range(len(lengths)))):
-        costs = [group_cost(lengths, g, budget, cap, multiple) for g in part]
+        costs = [group_cost(lengths, g, budget, cap, multiple, new_shape_cost) for g in part]
         if None not in costs and (best is None or sum(costs) < best):
             best = sum(costs)
     return best
@@ -70,11 +68,13 @@ def test_plan_is_an_optimal_partition_within_the_budget(seed):
     budget = int(rng.choice([64, 256, 512, 2048]))
     cap = int(rng.choice([0, 0, 2, 4]))
     multiple = int(rng.choice([1, 1, 2]))
-    plan = plan_micro_batches(lengths, budget, cap, multiple)
+    compile_cost = int(rng.choice([0, 100, 1000]))  # no shape compiled yet: every call pays it
+    plan = plan_micro_batches(lengths, budget, cap, multiple, new_shape_cost=compile_cost)
     assert sorted(i for g in plan for i in g) == list(range(n))
-    costs = [group_cost(lengths, g, budget, cap, multiple) for g in plan]
-    assert None not in costs, (lengths, budget, cap, multiple, plan)
-    assert sum(costs) == brute_force_cost(lengths, budget, cap, multiple), (lengths, budget, cap, multiple, plan)
+    costs = [group_cost(lengths, g, budget, cap, multiple, compile_cost) for g in plan]
+    case = (lengths, budget, cap, multiple, compile_cost, plan)
+    assert None not in costs, case
+    assert sum(costs) == brute_force_cost(lengths, budget, cap, multiple, compile_cost), case
     flat = [lengths[i] for g in plan for i in g]
     assert flat == sorted(flat, reverse=True)
 
@@ -89,6 +89,19 @@ def test_plan_without_budget_and_over_budget_rows():
     assert plan_micro_batches([5000, 5000, 4000], 1024, multiple=2) == [[0, 1], [2]]
     with pytest.raises(ValueError, match="token_budget=-1"):
         plan_micro_batches([1], -1)
+
+
+def test_plan_reuses_compiled_shapes():
+    """Six rows (four of 128 tokens): with padding and calls as the only costs they split [4, 128] +
+    [2, 64] (1,152 instead of 1,280); when a new shape costs a compile, an [8, 128] program already
+    compiled is reused, and a first round does not split to save 128 tokens."""
+    lengths = [128, 60, 128, 50, 128, 128]
+    assert plan_micro_batches(lengths, 16384) == [[0, 2, 4, 5], [1, 3]]
+    assert plan_micro_batches(lengths, 16384, known_shapes={(8, 128)}, new_shape_cost=16384) == [[0, 2, 4, 5, 1, 3]]
+    assert [len(g) for g in plan_micro_batches(lengths, 16384, new_shape_cost=16384)] == [6]
+    # the issue's split is worth a compile: 2,048 padded tokens instead of 65,536
+    issue = [1000] + [10] * 63
+    assert [len(g) for g in plan_micro_batches(issue, 16384, known_shapes={(64, 1024)}, new_shape_cost=16384)] == [1, 63]
 
 
 def test_plan_of_many_rounds_uses_few_shapes_and_is_fast():

@@ -7,8 +7,9 @@ names the datum, field and value, and the other requests of the batch go on.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -64,12 +65,15 @@ def micro_batch_shape(lengths: Sequence[int], multiple: int, max_rows: int = 0) 
 
 
 def plan_micro_batches(lengths: Sequence[int], token_budget: int, max_rows: int = 0, multiple: int = 1,
-                       call_cost: int = CALL_COST_TOKENS) -> list[list[int]]:
+                       call_cost: int = CALL_COST_TOKENS, known_shapes: AbstractSet[tuple[int, int]] = frozenset(),
+                       new_shape_cost: int = 0) -> list[list[int]]:
     """Row indices of each jit call of a forward / forward_backward round, longest rows first.
 
     Rows are sorted by length (ties by index: every host computes the same plan from the same batch) and
-    cut into consecutive groups minimising padded tokens + `call_cost` per call (exact dynamic program,
-    integer costs), subject to: a group's padded shape (`micro_batch_shape`) holds at most
+    cut into consecutive groups minimising padded tokens + `call_cost` per call + `new_shape_cost` per
+    call whose shape is not in `known_shapes` (a compile: it keeps the compile count low, e.g. equal SFT
+    steps reuse one program instead of splitting off their padding rows) by an exact dynamic program over
+    integer costs, subject to: a group's padded shape (`micro_batch_shape`) holds at most
     `token_budget` tokens, and at most `max_rows` rows when that is set. A group no bigger than one row
     bucket always fits, so a row longer than the budget runs as its own micro-batch. `token_budget=0`
     means no budget: consecutive groups of `max_rows` rows (all rows at once without a cap)."""
@@ -91,7 +95,8 @@ def plan_micro_batches(lengths: Sequence[int], token_budget: int, max_rows: int 
         if seq not in costs:
             tokens = rows_k * seq
             fits = int(np.sum(tokens <= max(token_budget, tokens[0])))  # a prefix: rows_k never decreases
-            costs[seq] = tokens[:fits] + call_cost
+            new = np.array([(int(r), seq) not in known_shapes for r in rows_k[:fits]], np.int64)
+            costs[seq] = tokens[:fits] + call_cost + new_shape_cost * new
         cand = best[i] + costs[seq][: n - i]
         window = slice(i + 1, i + 1 + len(cand))
         better = cand < best[window]
