@@ -150,10 +150,13 @@ class ModelMetadata(_Strict):
 
 
 class EngineMetrics(_Strict):
-    """Counters of the backend's jit-compiled functions (to check bucketing keeps compiles bounded)."""
+    """Counters of the backend's jit-compiled functions (to check bucketing keeps compiles bounded), and
+    of the tokens they ran: `tokens_real` (the datums') vs `tokens_padded` (the device batches')."""
 
     compiles: dict[str, int] = {}
     calls: dict[str, int] = {}
+    tokens_real: dict[str, int] = {}
+    tokens_padded: dict[str, int] = {}
 
 
 # ---- sampling types (filled by the sampling issue) ----

@@ -200,7 +200,8 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
     @app.get("/api/v1/metrics")
     async def metrics():
         backend = engine.backend.metrics
-        return {"engine": dict(engine.metrics), "backend_compiles": backend.compiles, "backend_calls": backend.calls}
+        return {"engine": dict(engine.metrics), "backend_compiles": backend.compiles, "backend_calls": backend.calls,
+                "backend_tokens_real": backend.tokens_real, "backend_tokens_padded": backend.tokens_padded}
 
     # ---- training ----
 

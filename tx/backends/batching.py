@@ -7,8 +7,9 @@ names the datum, field and value, and the other requests of the batch go on.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -43,6 +44,70 @@ def bucket_length(n: int, minimum: int = 16) -> int:
 def bucket_rows(n: int, multiple: int) -> int:
     """Rows padded to a power of two times `multiple` (the fsdp size)."""
     return multiple * (1 << max(0, math.ceil(math.log2(max(1, math.ceil(n / multiple))))))
+
+
+CALL_COST_TOKENS = 256
+"""What one more jit call costs, in padded tokens' worth (dispatch, a pass over the weights, adding the
+call's gradients into the temporary): the planner trades it against padding, so it does not split a round
+into many calls to save a few pad tokens."""
+
+
+def padded_rows(n: int, multiple: int, max_rows: int = 0) -> int:
+    """Rows of the device batch holding `n` rows: `bucket_rows`, capped at `max_rows` (0 = no cap; a
+    multiple of `multiple`) so that a row cap never pads beyond itself."""
+    rows = bucket_rows(n, multiple)
+    return min(rows, max_rows) if max_rows else rows
+
+
+def micro_batch_shape(lengths: Sequence[int], multiple: int, max_rows: int = 0) -> tuple[int, int]:
+    """(rows, tokens per row) of the padded device batch of one micro-batch with these row lengths."""
+    return padded_rows(len(lengths), multiple, max_rows), bucket_length(max(lengths))
+
+
+def plan_micro_batches(lengths: Sequence[int], token_budget: int, max_rows: int = 0, multiple: int = 1,
+                       call_cost: int = CALL_COST_TOKENS, known_shapes: AbstractSet[tuple[int, int]] = frozenset(),
+                       new_shape_cost: int = 0) -> list[list[int]]:
+    """Row indices of each jit call of a forward / forward_backward round, longest rows first.
+
+    Rows are sorted by length (ties by index: every host computes the same plan from the same batch) and
+    cut into consecutive groups minimising padded tokens + `call_cost` per call + `new_shape_cost` per
+    call whose shape is not in `known_shapes` (a compile: it keeps the compile count low, e.g. equal SFT
+    steps reuse one program instead of splitting off their padding rows) by an exact dynamic program over
+    integer costs, subject to: a group's padded shape (`micro_batch_shape`) holds at most
+    `token_budget` tokens, and at most `max_rows` rows when that is set. A group no bigger than one row
+    bucket always fits, so a row longer than the budget runs as its own micro-batch. `token_budget=0`
+    means no budget: consecutive groups of `max_rows` rows (all rows at once without a cap)."""
+    if token_budget < 0 or max_rows < 0 or multiple < 1:
+        raise ValueError(f"token_budget={token_budget}, max_rows={max_rows} must be >= 0 and multiple={multiple} >= 1")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    n = len(order)
+    if not token_budget:
+        m = max_rows or max(n, 1)
+        return [order[i : i + m] for i in range(0, n, m)]
+    k_max = min(n, max_rows) if max_rows else n
+    rows_k = np.array([padded_rows(k, multiple, max_rows) for k in range(1, k_max + 1)], np.int64)
+    best = np.full(n + 1, np.iinfo(np.int64).max, np.int64)  # best[j]: least cost of the first j rows
+    best[0] = 0
+    cut = np.zeros(n + 1, np.int64)  # the last group of that best plan starts at row cut[j]
+    costs: dict[int, np.ndarray] = {}
+    for i in range(n):
+        seq = bucket_length(lengths[order[i]])  # the longest row of any group starting at i
+        if seq not in costs:
+            tokens = rows_k * seq
+            fits = int(np.sum(tokens <= max(token_budget, tokens[0])))  # a prefix: rows_k never decreases
+            new = np.array([(int(r), seq) not in known_shapes for r in rows_k[:fits]], np.int64)
+            costs[seq] = tokens[:fits] + call_cost + new_shape_cost * new
+        cand = best[i] + costs[seq][: n - i]
+        window = slice(i + 1, i + 1 + len(cand))
+        better = cand < best[window]
+        best[window] = np.where(better, cand, best[window])
+        cut[window] = np.where(better, i, cut[window])
+    groups = []
+    j = n
+    while j > 0:
+        groups.append(order[int(cut[j]) : j])
+        j = int(cut[j])
+    return groups[::-1]
 
 
 def _float_field(name: str, values: list[float], n: int, datum: int) -> np.ndarray:

@@ -77,6 +77,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         self._grad_sum = jax.tree.map(jnp.zeros_like, lora)
         self.metrics = types.EngineMetrics()
         self._fns: dict[Any, Callable] = {}
+        self._planned_shapes: dict[str, set[tuple[int, int]]] = {}  # per pass: micro-batch shapes planned so far
         self._sampler = Sampler(self, self.model_dir)
 
     # ---- bookkeeping ----
@@ -97,6 +98,11 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         ctx = jax.disable_jit() if self.config.enforce_eager else contextlib.nullcontext()
         with ctx:
             return fn(*args, **kwargs)
+
+    def _count_tokens(self, name: str, real: int, padded: int) -> None:
+        """Tokens of the datums and of the padded device batch of one jit call (the padding overhead)."""
+        for counter, n in ((self.metrics.tokens_real, real), (self.metrics.tokens_padded, padded)):
+            counter[name] = counter.get(name, 0) + n
 
     def _slot(self, model_id: str) -> int:
         if model_id not in self.models:
@@ -183,11 +189,17 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
     def forward(self, prepared_batch: types.PreparedModelPassBatch):
         return self._model_pass(prepared_batch, with_grad=False)
 
-    def _micro_batches(self, rows: list[batching.Row]) -> list[list[int]]:
-        """Row indices per jit call: longest first, so rows of similar length share a padded shape."""
-        order = sorted(range(len(rows)), key=lambda i: -len(rows[i].input_ids))
-        m = self.config.train_micro_batch_size or len(order)
-        return [order[i : i + m] for i in range(0, len(order), m)]
+    def _micro_batches(self, name: str, rows: list[batching.Row]) -> list[list[int]]:
+        """Row indices per jit call: rows of all requests sorted by length and packed under the token
+        budget (see `batching.plan_micro_batches`). A shape this pass has not planned before costs a
+        budget's worth of tokens (its compile). The plan depends only on the batch, the config and the
+        earlier calls' plans, so every host computes the same one."""
+        fsdp, cap, budget = self.mesh.shape["fsdp"], self.config.train_micro_batch_size, self.config.train_micro_batch_tokens
+        lengths = [len(r.input_ids) for r in rows]
+        known = self._planned_shapes.setdefault(name, set())
+        plan = batching.plan_micro_batches(lengths, budget, cap, fsdp, known_shapes=known, new_shape_cost=budget)
+        known.update(batching.micro_batch_shape([lengths[i] for i in group], fsdp, cap) for group in plan)
+        return plan
 
     def _model_pass(self, batch: types.PreparedModelPassBatch, with_grad: bool):
         """All-or-nothing per call: gradients go into a temporary; if any micro-batch raises, the sums and
@@ -210,11 +222,12 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         logprobs: list[np.ndarray] = [None] * len(rows)  # type: ignore[list-item]
         elementwise: list[np.ndarray] = [None] * len(rows)  # type: ignore[list-item]
         acc = None  # this call's gradients, committed below only once every micro-batch succeeded
-        for idx in self._micro_batches(rows):
+        for idx in self._micro_batches(name, rows):
             chunk = [rows[i] for i in idx]
-            num_rows = self.config.train_micro_batch_size or batching.bucket_rows(len(chunk), fsdp)
-            seq_len = batching.bucket_length(max(len(r.input_ids) for r in chunk))
+            num_rows, seq_len = batching.micro_batch_shape(
+                [len(r.input_ids) for r in chunk], fsdp, self.config.train_micro_batch_size)
             arrays = batching.pack(chunk, num_rows, seq_len, len(losses.config_keys()))
+            self._count_tokens(name, sum(len(r.input_ids) for r in chunk), num_rows * seq_len)
             device_batch = {
                 k: put_global(v, NamedSharding(self.mesh, batch_spec(v.ndim))) for k, v in arrays.items()
             }

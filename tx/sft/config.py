@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tx.backends.config import DEFAULT_MICRO_BATCH_TOKENS
 from tx.sft.masks import TrainOnWhat
 
 
@@ -63,7 +64,9 @@ class SFTConfig(_Strict):
     pack_length: int | None = Field(None, ge=8, description="tokens per packed row (default: max_length); "
                                     "several examples share a row, attention stays within each")
     packing: bool = True
-    micro_batch_rows: int = Field(0, ge=0, description="rows per jit call (0 = all rows of a step)")
+    micro_batch_tokens: int = Field(DEFAULT_MICRO_BATCH_TOKENS, ge=0, description="padded tokens per jit call: "
+                                    "a step's rows are packed by length under this budget (0 = no budget)")
+    micro_batch_rows: int = Field(0, ge=0, description="at most this many rows per jit call (0 = no row cap)")
     eval_interval: int = Field(0, ge=0, description="steps between evals (0 = only at the end)")
     eval_before_train: bool = False
     ckpt_path: str | None = Field(None, description="checkpoints go to <ckpt_path>/global_step_N/")

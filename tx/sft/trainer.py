@@ -54,6 +54,7 @@ class SFTTrainer:
         self.backend = JaxBackend(base, JaxBackendConfig(
             max_lora_adapters=cfg.max_lora_adapters or len(cfg.runs) + 1,
             max_lora_rank=max(r.rank for r in cfg.runs),
+            train_micro_batch_tokens=cfg.micro_batch_tokens,
             train_micro_batch_size=cfg.micro_batch_rows,
             max_seq_len=max(cfg.pack_length or 0, cfg.data.max_length),
             loss_chunk_size=cfg.loss_chunk_size,
