@@ -72,7 +72,8 @@ def reference_self_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, scale: floa
 
 
 def _cudnn_supports(q_bthd: jax.Array) -> bool:
-    return q_bthd.dtype in (jnp.bfloat16, jnp.float16) and q_bthd.shape[-1] % 8 == 0 and q_bthd.shape[-1] <= 256
+    on_gpu = jax.default_backend() in ("gpu", "cuda")
+    return on_gpu and q_bthd.dtype in (jnp.bfloat16, jnp.float16) and q_bthd.shape[-1] % 8 == 0 and q_bthd.shape[-1] <= 256
 
 
 def cudnn_self_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, scale: float) -> jax.Array:
