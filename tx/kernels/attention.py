@@ -14,7 +14,7 @@ picks one by platform (`AUTO_IMPL`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
