@@ -1,14 +1,26 @@
-"""Grouped-query attention with an explicit boolean mask (XLA reference implementation).
+"""Attention kernels behind one dispatch.
 
-Scores, softmax and the mask are computed in float32 whatever the input dtype. Masked positions get a
-large finite negative score, so a row with no visible key (a pure padding row) yields finite garbage that
-the caller ignores, never NaN that would poison gradients.
+`attention(q, k, v, mask_bts, scale)` is the dense reference: the full float32 `[b, kv, g, t, s]` score
+tensor under an explicit boolean mask. Decode uses it over the KV cache, and it is the tests' oracle.
+
+Training and prefill call `self_attention(q, k, v, segment_ids_bt, scale, impl)`: causal self-attention
+where key j is visible to query i iff j <= i and seg[i] == seg[j], with `segment_ids_bt` int32 and
+padding = -1 (`segment_ids_for_attention` builds it from an attention mask and packing segment ids). A
+padding query sees only padding keys (itself at least), so every row has a key and nothing is NaN; its
+output is finite garbage that callers ignore. `impl` names a kernel in `SELF_ATTENTION_IMPLS`; "auto"
+picks one by platform (`AUTO_IMPL`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
+
+from tx.kernels.flash import blockwise_attention
+from tx.kernels.splash import splash_attention
 
 _MASKED = -1e30
 
@@ -26,7 +38,10 @@ def causal_mask(attention_mask_bt: jax.Array, segment_ids_bt: jax.Array | None =
 def attention(
     q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array, mask_bts: jax.Array, scale: float
 ) -> jax.Array:
-    """softmax(q k^T * scale + mask) v with h query heads sharing k kv heads; returns [b, t, h, d]."""
+    """softmax(q k^T * scale + mask) v with h query heads sharing k kv heads; returns [b, t, h, d].
+
+    Scores, softmax and the mask are float32 whatever the input dtype. Masked positions get a large finite
+    negative score, so a row with no visible key yields finite garbage, never NaN."""
     b, t, h, d = q_bthd.shape
     kv_heads = k_bskd.shape[2]
     q_btkgd = q_bthd.reshape(b, t, kv_heads, h // kv_heads, d)
@@ -37,3 +52,93 @@ def attention(
         "bkgts,bskd->btkgd", probs_bkgts.astype(v_bskd.dtype), v_bskd, preferred_element_type=jnp.float32
     )
     return out_btkgd.reshape(b, t, h, d).astype(q_bthd.dtype)
+
+
+def segment_ids_for_attention(attention_mask_bt: jax.Array, segment_ids_bt: jax.Array | None = None) -> jax.Array:
+    """int32 [b, t]: the packing segment id (0 when not packed) of each real token, -1 on padding."""
+    seg = jnp.zeros(attention_mask_bt.shape, jnp.int32) if segment_ids_bt is None else segment_ids_bt
+    return jnp.where(attention_mask_bt.astype(bool), seg.astype(jnp.int32), -1)
+
+
+def visibility_mask(segment_ids_bt: jax.Array) -> jax.Array:
+    """bool [b, t, t] of the self-attention rule: j <= i and seg[i] == seg[j]."""
+    t = segment_ids_bt.shape[1]
+    same_bts = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+    return jnp.tril(jnp.ones((t, t), dtype=bool))[None] & same_bts
+
+
+def reference_self_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, scale: float) -> jax.Array:
+    return attention(q_bthd, k_btkd, v_btkd, visibility_mask(segment_ids_bt), scale)
+
+
+def _cudnn_supports(q_bthd: jax.Array) -> bool:
+    on_gpu = jax.default_backend() in ("gpu", "cuda")
+    return on_gpu and q_bthd.dtype in (jnp.bfloat16, jnp.float16) and q_bthd.shape[-1] % 8 == 0 and q_bthd.shape[-1] <= 256
+
+
+def cudnn_self_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, scale: float) -> jax.Array:
+    """cuDNN flash attention where the mask is causal + right padding (the public `jax.nn` API takes
+    sequence lengths, not segment ids); packed rows, other padding, or dtypes/head sizes cuDNN does not
+    take run the blockwise kernel instead (decided per call at run time for the mask)."""
+    if not _cudnn_supports(q_bthd):
+        return blockwise_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, scale)
+    t = segment_ids_bt.shape[1]
+    real_bt = segment_ids_bt >= 0
+    lengths_b = real_bt.sum(axis=1).astype(jnp.int32)
+    right_padded = jnp.all(real_bt == (jnp.arange(t)[None, :] < lengths_b[:, None]))
+    one_segment = jnp.all((segment_ids_bt == segment_ids_bt[:, :1]) | ~real_bt)
+
+    def cudnn(q, k, v):
+        return jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=True, query_seq_lengths=lengths_b,
+            key_value_seq_lengths=lengths_b, implementation="cudnn",
+        )
+
+    def blockwise(q, k, v):
+        return blockwise_attention(q, k, v, segment_ids_bt, scale)
+
+    return jax.lax.cond(right_padded & one_segment, cudnn, blockwise, q_bthd, k_btkd, v_btkd)
+
+
+SelfAttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, float], jax.Array]
+
+SELF_ATTENTION_IMPLS: dict[str, SelfAttentionFn] = {
+    "reference": reference_self_attention,
+    "blockwise": blockwise_attention,
+    "cudnn": cudnn_self_attention,
+    "splash": splash_attention,
+}
+# What "auto" means on each platform (`jax.default_backend()`); anything else gets "blockwise".
+AUTO_IMPL = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}
+
+
+def resolve_attention_impl(name: str, platform: str | None = None) -> str:
+    """The kernel name `name` stands for on `platform` (default: JAX's default backend)."""
+    if name == "auto":
+        return AUTO_IMPL.get(platform or jax.default_backend(), "blockwise")
+    if name not in SELF_ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl={name!r} is not one of auto, {', '.join(SELF_ATTENTION_IMPLS)}")
+    return name
+
+
+def self_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, scale: float, impl: str = "auto") -> jax.Array:
+    """Causal segment-masked GQA self-attention [b, t, h, d] with the kernel `impl` (see module doc)."""
+    return SELF_ATTENTION_IMPLS[resolve_attention_impl(impl)](q_bthd, k_btkd, v_btkd, segment_ids_bt, scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class SelfAttentionMask:
+    """What a training/prefill layer needs to attend: the segment ids (a traced array) and the kernel name
+    (static). Decode passes a dense `[b, t, s]` bool mask over its cache instead."""
+
+    segment_ids_bt: jax.Array
+    impl: str = "auto"
+
+
+jax.tree_util.register_dataclass(SelfAttentionMask, data_fields=["segment_ids_bt"], meta_fields=["impl"])
+
+
+def self_attention_mask(
+    attention_mask_bt: jax.Array, segment_ids_bt: jax.Array | None = None, impl: str = "auto"
+) -> SelfAttentionMask:
+    return SelfAttentionMask(segment_ids_for_attention(attention_mask_bt, segment_ids_bt), resolve_attention_impl(impl))

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tx.kernels.attention import causal_mask
+from tx.kernels.attention import resolve_attention_impl, self_attention_mask
 from tx.kernels.lora import lora_delta_rows
 from tx.models.config import LoraSlots, ModelConfig
 from tx.models.layers.attention import Attention
@@ -140,6 +140,7 @@ class Qwen3ForCausalLM(nnx.Module):
         dtype = jnp.dtype(dtype or cfg.dtype)
         self.config = cfg
         self.slots = slots
+        resolve_attention_impl(attention_impl)  # an unknown name fails here, not at the first call
         self.attention_impl = attention_impl
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.stacks = nnx.List(
@@ -165,8 +166,8 @@ class Qwen3ForCausalLM(nnx.Module):
         b, t = input_ids_bt.shape
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        mask_bts = causal_mask(attention_mask_bt, segment_ids_bt)
-        hidden_btd, _ = self._layers(input_ids_bt, positions_bt, mask_bts, adapter_indices_b, None, False)
+        mask = self_attention_mask(attention_mask_bt, segment_ids_bt, self.attention_impl)
+        hidden_btd, _ = self._layers(input_ids_bt, positions_bt, mask, adapter_indices_b, None, False)
         return hidden_btd
 
     def prefill(
@@ -176,7 +177,8 @@ class Qwen3ForCausalLM(nnx.Module):
         `[L, b, t, kv, d]` (to be padded into a decode cache)."""
         b, t = input_ids_bt.shape
         positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        return self._layers(input_ids_bt, positions_bt, causal_mask(attention_mask_bt), adapter_indices_b, None, True)
+        mask = self_attention_mask(attention_mask_bt, None, self.attention_impl)
+        return self._layers(input_ids_bt, positions_bt, mask, adapter_indices_b, None, True)
 
     def decode_step(
         self,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from tx.kernels.attention import attention
+from tx.kernels.attention import SelfAttentionMask, attention, self_attention
 from tx.models.config import ModelConfig
 from tx.models.layers.lora import LoRALinear
 from tx.models.layers.norm import RMSNorm
@@ -30,16 +30,17 @@ class Attention(nnx.Module):
         self,
         x_btd: jax.Array,
         cos_sin: tuple[jax.Array, jax.Array],
-        mask_bts: jax.Array,
+        mask: SelfAttentionMask | jax.Array,
         adapter_b: jax.Array | None,
         cache: tuple[jax.Array, jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """Attention output [b, t, d] and keys/values.
 
-        Without `cache`, queries attend over this call's own keys (training, prefill) and the returned
-        keys/values are this call's `[b, t, kv, d]`. With `cache = (k_bskd, v_bskd, write_pos_b)` (decode),
-        this call's keys/values are written into the cache at each row's position, queries attend over the
-        whole cache under `mask_bts`, and the updated cache is returned."""
+        Without `cache`, queries attend over this call's own keys (training, prefill) with the kernel and
+        segment ids of `mask` (a `SelfAttentionMask`), and the returned keys/values are this call's
+        `[b, t, kv, d]`. With `cache = (k_bskd, v_bskd, write_pos_b)` (decode), this call's keys/values are
+        written into the cache at each row's position, queries attend over the whole cache under the dense
+        `[b, t, s]` bool `mask` (reference kernel), and the updated cache is returned."""
         b, t, _ = x_btd.shape
         q_bthd = self.q_norm(self.q_proj(x_btd, adapter_b).reshape(b, t, self.num_heads, self.head_dim))
         k_btkd = self.k_norm(self.k_proj(x_btd, adapter_b).reshape(b, t, self.num_kv_heads, self.head_dim))
@@ -49,5 +50,9 @@ class Attention(nnx.Module):
             k_cache, v_cache, write_pos_b = cache
             write = jax.vmap(lambda c, new, p: jax.lax.dynamic_update_slice(c, new.astype(c.dtype), (p, 0, 0)))
             k_btkd, v_btkd = write(k_cache, k_btkd, write_pos_b), write(v_cache, v_btkd, write_pos_b)
-        out_bthd = attention(q_bthd, k_btkd, v_btkd, mask_bts, self.head_dim**-0.5)
+        scale = self.head_dim**-0.5
+        if isinstance(mask, SelfAttentionMask):
+            out_bthd = self_attention(q_bthd, k_btkd, v_btkd, mask.segment_ids_bt, scale, mask.impl)
+        else:
+            out_bthd = attention(q_bthd, k_btkd, v_btkd, mask, scale)
         return self.o_proj(out_bthd.reshape(b, t, -1), adapter_b), (k_btkd, v_btkd)
