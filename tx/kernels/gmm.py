@@ -73,6 +73,17 @@ def _ladder(m: int, min_tile: int) -> tuple[int, ...]:
     return (*sizes, m)
 
 
+def window_rows(sizes_g: jax.Array, m: int, min_tile: int) -> jax.Array:
+    """Rows the blocked kernel computes for each group: its window size, 0 for an empty group."""
+    ladder = _ladder(m, min_tile)
+    return jnp.where(sizes_g > 0, jnp.asarray(ladder, jnp.int32)[_bucket(sizes_g, ladder)], 0)
+
+
+def _bucket(sizes_g: jax.Array, ladder: tuple[int, ...]) -> jax.Array:
+    """Index of the smallest window in `ladder` that holds each group."""
+    return jnp.minimum(jnp.searchsorted(jnp.asarray(ladder, jnp.int32), sizes_g, side="left"), len(ladder) - 1)
+
+
 def _for_each_group(sizes_g, m: int, min_tile: int, init, step):
     """`init` threaded through `step(c, g, lo, mask, carry)` once per non-empty group g, c its window.
 
@@ -82,8 +93,7 @@ def _for_each_group(sizes_g, m: int, min_tile: int, init, step):
     ladder = _ladder(m, min_tile)
     end_g = jnp.cumsum(sizes_g)
     start_g = end_g - sizes_g
-    bucket_g = jnp.searchsorted(jnp.asarray(ladder, jnp.int32), sizes_g, side="left")
-    bucket_g = jnp.where(sizes_g > 0, jnp.minimum(bucket_g, len(ladder) - 1), -1)
+    bucket_g = jnp.where(sizes_g > 0, _bucket(sizes_g, ladder), -1)
     carry = init
     for b, c in enumerate(ladder):
         mine_g = bucket_g == b
