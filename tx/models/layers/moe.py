@@ -1,8 +1,12 @@
 """Qwen3-MoE sparse block: softmax router, top-k experts, grouped matmuls over stacked expert weights.
 
-Token-expert rows are sorted once by `expert * A + adapter`. In that order the rows of each expert are
-contiguous (base weights: E groups) and so are the rows of each (expert, adapter) pair (LoRA weights laid
-out `[E, A, ...]`: E*A groups), so one sort serves both grouped matmuls.
+Expert LoRA is grouped only over the P adapter slots present in the batch (P = min(slots, batch rows),
+a static bound): each row's slot is renumbered to its index among the present ones, and token-expert
+rows are sorted once by `expert * P + present_index`. In that order the rows of each expert are
+contiguous (base weights: E groups) and so are the rows of each (expert, present adapter) pair (the
+present slots' LoRA weights gathered to `[E, P, ...]`: E*P groups), so one sort serves every grouped
+matmul (`tx.kernels.gmm`, whose CPU kernel costs the rows routed, not the number of groups).
+The LoRA path runs in float32 (the adapters' dtype) whatever the model dtype, as PEFT does.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tx.kernels.lora import lora_delta_grouped, make_routing
+from tx.kernels.gmm import GMM_IMPLS, gmm
+from tx.kernels.lora import make_routing
 from tx.models.config import ModelConfig
 from tx.models.layers.lora import lora_variables
 
@@ -21,11 +26,24 @@ _init = nnx.initializers.normal(0.02)
 
 
 class ExpertRows(NamedTuple):
-    """Rows sorted by (expert, adapter): group sizes at both granularities and each row's LoRA scale index."""
+    """Rows sorted by (expert, present adapter): group sizes at both granularities, the present slots, each
+    row's adapter slot (its LoRA scale index), and the grouped-matmul kernel."""
 
     expert_sizes_e: jax.Array  # int32 [E]
-    lora_sizes_g: jax.Array  # int32 [E * A]
+    lora_sizes_g: jax.Array  # int32 [E * P]
+    slots_p: jax.Array  # int32 [P]: present adapter slots (unused entries repeat slot 0 and own no rows)
     adapter_r: jax.Array  # int32 [rows], sorted order
+    impl: str
+
+
+def present_slots(adapter_b: jax.Array, num_adapters: int) -> tuple[jax.Array, jax.Array]:
+    """The distinct slots of `adapter_b` ascending, padded with 0 to P = min(num_adapters, b), and each
+    row's index among them."""
+    bound = min(num_adapters, adapter_b.shape[0])
+    present_a = jnp.zeros((num_adapters,), bool).at[adapter_b].set(True)
+    (slots_p,) = jnp.nonzero(present_a, size=bound, fill_value=0)
+    index_a = jnp.cumsum(present_a, dtype=jnp.int32) - 1
+    return slots_p.astype(jnp.int32), index_a[adapter_b]
 
 
 class ExpertLinear(nnx.Module):
@@ -49,17 +67,13 @@ class ExpertLinear(nnx.Module):
         )
 
     def __call__(self, x_ri: jax.Array, rows: ExpertRows, use_lora: bool) -> jax.Array:
-        y_ro = jax.lax.ragged_dot(
-            x_ri, self.kernel[...], rows.expert_sizes_e, preferred_element_type=jnp.float32
-        )
+        y_ro = gmm(x_ri, self.kernel[...], rows.expert_sizes_e, impl=rows.impl)
         if use_lora:
-            e, a, i, r = self.lora_a.shape
-            delta_ro = lora_delta_grouped(
-                x_ri,
-                self.lora_a[...].reshape(e * a, i, r),
-                self.lora_b[...].reshape(e * a, r, -1),
-                rows.lora_sizes_g,
-            )
+            a_epir = self.lora_a[...][:, rows.slots_p]
+            e, p, i, r = a_epir.shape
+            b_gro = self.lora_b[...][:, rows.slots_p].reshape(e * p, r, -1)
+            h_rr = gmm(x_ri.astype(a_epir.dtype), a_epir.reshape(e * p, i, r), rows.lora_sizes_g, impl=rows.impl)
+            delta_ro = gmm(h_rr, b_gro, rows.lora_sizes_g, impl=rows.impl)
             y_ro = y_ro + delta_ro * self.lora_scale[...][rows.adapter_r][:, None]
         return y_ro.astype(x_ri.dtype)
 
@@ -79,8 +93,19 @@ class Experts(nnx.Module):
 
 class SparseMoE(nnx.Module):
     def __init__(
-        self, cfg: ModelConfig, *, num_adapters: int, rank: int, stack: tuple[int, ...], dtype, rngs: nnx.Rngs
+        self,
+        cfg: ModelConfig,
+        *,
+        num_adapters: int,
+        rank: int,
+        stack: tuple[int, ...],
+        dtype,
+        rngs: nnx.Rngs,
+        moe_impl: str = "auto",
     ):
+        if moe_impl not in GMM_IMPLS:
+            raise ValueError(f"moe_impl {moe_impl!r} is not one of {GMM_IMPLS}")
+        self.moe_impl = moe_impl
         self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.num_adapters = num_adapters
         self.gate = Router(cfg.hidden_size, cfg.num_experts, stack=stack, dtype=dtype, rngs=rngs)
@@ -98,16 +123,24 @@ class SparseMoE(nnx.Module):
     def __call__(self, x_btd: jax.Array, adapter_b: jax.Array | None) -> jax.Array:
         b, t, d = x_btd.shape
         x_nd = x_btd.reshape(-1, d)
-        n, k, e, a = x_nd.shape[0], self.top_k, self.num_experts, self.num_adapters
+        n, k, e = x_nd.shape[0], self.top_k, self.num_experts
         expert_nk, weight_nk = self.route(x_nd)
         use_lora = adapter_b is not None
-        adapter_n = jnp.repeat(adapter_b.astype(jnp.int32), t) if use_lora else jnp.zeros((n,), jnp.int32)
-        adapter_nk = jnp.broadcast_to(adapter_n[:, None], (n, k))
-        routing = make_routing((expert_nk * a + adapter_nk).reshape(-1), e * a)
+        if use_lora:
+            adapter_b = adapter_b.astype(jnp.int32)
+            slots_p, index_b = present_slots(adapter_b, self.num_adapters)
+        else:
+            adapter_b = index_b = jnp.zeros((b,), jnp.int32)
+            slots_p = jnp.zeros((1,), jnp.int32)
+        p = slots_p.shape[0]
+        key_nk = expert_nk * p + jnp.repeat(index_b, t)[:, None]
+        routing = make_routing(key_nk.reshape(-1), e * p)
         rows = ExpertRows(
-            routing.group_sizes_g.reshape(e, a).sum(axis=1),
+            routing.group_sizes_g.reshape(e, p).sum(axis=1),
             routing.group_sizes_g,
-            adapter_nk.reshape(-1)[routing.sort_n],
+            slots_p,
+            jnp.repeat(adapter_b, t * k)[routing.sort_n],
+            self.moe_impl,
         )
         x_rd = x_nd[routing.sort_n // k]
         h_rf = jax.nn.silu(self.experts.gate_proj(x_rd, rows, use_lora)) * self.experts.up_proj(x_rd, rows, use_lora)
