@@ -60,13 +60,9 @@ def bench_tx(model_dir: Path, args, impl: str, ids: np.ndarray) -> dict[str, flo
     from tx.models.adapters import init_adapter
     from tx.models.config import LoraSlots
     from tx.models.layers.lora import LoraA, LoraB
-    from tx.models.layers.moe import SparseMoE
     from tx.models.loading import load_model
 
-    model = load_model(model_dir, LoraSlots(max_lora_adapters=2, max_lora_rank=RANK))
-    for _, module in nnx.iter_modules(model):
-        if isinstance(module, SparseMoE):
-            module.moe_impl = impl
+    model = load_model(model_dir, LoraSlots(max_lora_adapters=2, max_lora_rank=RANK), moe_impl=impl)
     init_adapter(model, 1, rank=RANK, alpha=2 * RANK, seed=0)
     graphdef, lora, frozen = nnx.split(model, (LoraA, LoraB), ...)
     tokens = jnp.asarray(ids[:, :-1])

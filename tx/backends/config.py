@@ -53,6 +53,10 @@ class JaxBackendConfig(BaseModel):
         "layer", description="with gradient_checkpointing, what each layer keeps for the backward pass: 'layer' "
         "only its input (least memory), 'dots_saveable' every matmul output (faster, more memory)"
     )
+    moe_impl: Literal["auto", "ragged_dot", "blocked", "megablox"] = Field(
+        "auto", description="MoE grouped matmul: 'auto' picks megablox on TPU, ragged_dot on GPU, blocked elsewhere "
+        "(CPU: cost follows the routed tokens, not the expert count)"
+    )
     attention_impl: Literal["auto", "blockwise", "cudnn", "splash", "reference"] = Field(
         "auto", description="attention kernel: 'auto' picks splash on TPU, cuDNN on GPU, blockwise elsewhere; "
         "'reference' is the dense O(t^2)-memory oracle"

@@ -65,6 +65,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
             dtype=config.dtype,
             remat_policy=config.remat_policy if config.gradient_checkpointing else "none",
             attention_impl=config.attention_impl,
+            moe_impl=config.moe_impl,
             shard_attention_heads=config.shard_attention_heads,
         )
         self.max_seq_len = config.max_seq_len or self.model.config.max_position_embeddings

@@ -178,11 +178,13 @@ def build_abstract(
     dtype: str | None = None,
     remat_policy: str = "none",
     attention_impl: str = "auto",
+    moe_impl: str = "auto",
 ) -> nnx.Module:
     cls = model_class(cfg.architecture)
     return nnx.eval_shape(
         lambda: cls(
-            cfg, slots, dtype=dtype, remat_policy=remat_policy, attention_impl=attention_impl, rngs=nnx.Rngs(0)
+            cfg, slots, dtype=dtype, remat_policy=remat_policy, attention_impl=attention_impl, moe_impl=moe_impl,
+            rngs=nnx.Rngs(0),
         )
     )
 
@@ -195,6 +197,7 @@ def load_model(
     dtype: str | None = None,
     remat_policy: str = "none",
     attention_impl: str = "auto",
+    moe_impl: str = "auto",
     shard_attention_heads: bool = True,
 ) -> nnx.Module:
     """Load an HF Qwen3 / Qwen3-MoE checkpoint onto `mesh` (default: one device) with empty LoRA slots."""
@@ -202,7 +205,8 @@ def load_model(
     cfg = ModelConfig.from_dir(model_dir)
     slots = slots or LoraSlots()
     mesh = mesh or make_mesh(devices=jax.devices()[:1])
-    abstract = build_abstract(cfg, slots, dtype=dtype, remat_policy=remat_policy, attention_impl=attention_impl)
+    abstract = build_abstract(cfg, slots, dtype=dtype, remat_policy=remat_policy, attention_impl=attention_impl,
+                              moe_impl=moe_impl)
     graphdef, state = nnx.split(abstract)
     files = SafetensorsDir(model_dir)
     loaded = {}

@@ -47,12 +47,14 @@ def remat_policy(name: str):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, moe: bool, stack: tuple[int, ...], dtype, slots: LoraSlots, rngs):
+    def __init__(
+        self, cfg: ModelConfig, *, moe: bool, stack: tuple[int, ...], dtype, slots: LoraSlots, moe_impl: str, rngs
+    ):
         kw = dict(num_adapters=slots.max_lora_adapters, rank=slots.max_lora_rank, stack=stack, dtype=dtype, rngs=rngs)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack, dtype=dtype)
         self.self_attn = Attention(cfg, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack, dtype=dtype)
-        self.mlp = SparseMoE(cfg, **kw) if moe else MLP(cfg.hidden_size, cfg.intermediate_size, **kw)
+        self.mlp = SparseMoE(cfg, moe_impl=moe_impl, **kw) if moe else MLP(cfg.hidden_size, cfg.intermediate_size, **kw)
 
     def __call__(self, x_btd, cos_sin, mask_bts, adapter_b: jax.Array | None, cache=None):
         attn_btd, kv = self.self_attn(self.input_layernorm(x_btd), cos_sin, mask_bts, adapter_b, cache)
@@ -135,6 +137,7 @@ class Qwen3ForCausalLM(nnx.Module):
         dtype: jnp.dtype | None = None,
         remat_policy: str = "none",
         attention_impl: str = "auto",
+        moe_impl: str = "auto",
         rngs: nnx.Rngs,
     ):
         dtype = jnp.dtype(dtype or cfg.dtype)
@@ -145,7 +148,10 @@ class Qwen3ForCausalLM(nnx.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.stacks = nnx.List(
             [
-                DecoderStack(cfg, ids, moe=moe, remat_policy=remat_policy, dtype=dtype, slots=slots, rngs=rngs)
+                DecoderStack(
+                    cfg, ids, moe=moe, remat_policy=remat_policy, dtype=dtype, slots=slots, moe_impl=moe_impl,
+                    rngs=rngs,
+                )
                 for moe, ids in layer_groups(cfg)
             ]
         )

@@ -88,6 +88,7 @@ class SFTConfig(_Strict):
     gradient_checkpointing: bool = Field(True, description="recompute each layer in the backward pass")
     remat_policy: Literal["layer", "dots_saveable", "dots_with_no_batch_dims_saveable"] = "layer"
     attention_impl: Literal["auto", "blockwise", "cudnn", "splash", "reference"] = "auto"
+    moe_impl: Literal["auto", "ragged_dot", "blocked", "megablox"] = "auto"
 
     @model_validator(mode="after")
     def _check(self) -> SFTConfig:

@@ -61,6 +61,7 @@ class SFTTrainer:
             gradient_checkpointing=cfg.gradient_checkpointing,
             remat_policy=cfg.remat_policy,
             attention_impl=cfg.attention_impl,
+            moe_impl=cfg.moe_impl,
         ))
         tokenizer = AutoTokenizer.from_pretrained(str(self.backend.model_dir))
         cache = None if cfg.disable_cache else cfg.cache_dir
