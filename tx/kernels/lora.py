@@ -9,8 +9,8 @@ in float32, and the rank-r intermediate stays float32 (as PEFT does; it is rank-
   many slots exist; no token permutation, and rows stay on their fsdp shard.
 - `add_lora_head_delta`: the same product for an output as wide as the vocabulary, where a per-row B
   (`[b, R, vocab]`) or a separate delta would cost as much memory as the logits. `x A` is per row; B is
-  applied for all slots at once through a one-hot over (slot, rank), a vocabulary block at a time, added
-  in place into the base logits, so memory does not grow with rows.
+  applied for all slots at once through a one-hot over (slot, rank), added in place into the base logits
+  a vocabulary block at a time, so memory does not grow with rows.
 - `lora_delta_grouped`: rows already sorted by a group id (MoE: expert x adapter), applied with
   `jax.lax.ragged_dot`, a grouped GEMM on TPU. (XLA's CPU lowering of ragged_dot loops over groups.)
 - `lora_delta_reference`: gathers a weight matrix per token; memory O(tokens * in * R), the oracle.
@@ -18,6 +18,7 @@ in float32, and the rank-r intermediate stays float32 (as PEFT does; it is rank-
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -57,7 +58,7 @@ def lora_delta_rows(
     return y_bto * scale_a[adapter_b][:, None, None].astype(jnp.float32)
 
 
-HEAD_BLOCK = 1024  # vocab columns of the head delta added per step
+HEAD_BLOCK = 1024  # vocabulary columns of the head delta added per step
 
 
 def add_lora_head_delta(
@@ -71,40 +72,57 @@ def add_lora_head_delta(
 ) -> jax.Array:
     """`logits + lora_delta_rows(x, ...)` for a vocabulary-wide output (the LM head); float32 [b, t, o].
 
-    `x A` is per row (rank-sized). B is applied `block` output columns at a time, each block added in place
-    into `logits`: neither a per-row B (`[b, R, vocab]`) nor a full `[b, t, vocab]` delta ever exists, so
-    the extra memory is rank- or block-sized, independent of the vocabulary's width times the rows.
-    With at least as many rows as slots, each row's rank-r activations sit in its slot's columns of a
-    `[tokens, A*R]` one-hot layout, multiplied by all of B's block viewed as `[A*R, block]` (no gather;
-    extra FLOPs `tokens * A * R * o`, i.e. A*R / hidden of the base head). With fewer rows than slots
-    (decode, sampling) each row's B block is gathered instead (`b * R * block`), at the minimal FLOPs."""
+    `x A` is per row (rank-sized). Each token's scaled rank-r activations sit in one group's R columns of
+    a `[tokens, G*R]` one-hot layout, multiplied by B viewed as `[G*R, o]`. With at least as many rows
+    as slots the groups are the slots and B is used as stored (no gather; extra FLOPs
+    `tokens * A * R * o`, A*R / hidden of the base head); with fewer rows (decode, sampling) the groups
+    are the rows and B is gathered per row, `b * R * o` < `A * R * o`. The product is added into `logits`
+    in place, `block` columns at a time (`_add_low_rank`), so no `[b, t, o]` delta exists either."""
     b, t, out = logits_bto.shape
     num_slots, rank, _ = lora_b_aro.shape
     h_btr = _rank_activations(x_bti, adapter_b, lora_a_air) * scale_a[adapter_b][:, None, None].astype(jnp.float32)
-    logits_bto = logits_bto.astype(jnp.float32)
     if b >= num_slots:
-        onehot_ba = (adapter_b[:, None] == jnp.arange(num_slots)[None, :]).astype(jnp.float32)
-        h_btq = (h_btr[:, :, None, :] * onehot_ba[:, None, :, None]).reshape(b, t, num_slots * rank)
-        b_qo = lora_b_aro.astype(jnp.float32).reshape(num_slots * rank, out)
-
-        def delta(start, size):
-            return jnp.dot(h_btq, jax.lax.dynamic_slice_in_dim(b_qo, start, size, axis=1))
+        group_b, b_gro = adapter_b, lora_b_aro
     else:
+        group_b, b_gro = jnp.arange(b), lora_b_aro[adapter_b]
+    groups = b_gro.shape[0]
+    onehot_bg = (group_b[:, None] == jnp.arange(groups)[None, :]).astype(jnp.float32)
+    h_nq = (h_btr[:, :, None, :] * onehot_bg[:, None, :, None]).reshape(b * t, groups * rank)
+    b_qo = b_gro.astype(jnp.float32).reshape(groups * rank, out)
+    logits_no = _add_low_rank(logits_bto.astype(jnp.float32).reshape(b * t, out), h_nq, b_qo, min(block, out))
+    return logits_no.reshape(b, t, out)
 
-        def delta(start, size):
-            b_bro = jax.lax.dynamic_slice_in_dim(lora_b_aro, start, size, axis=2)[adapter_b]
-            return jnp.einsum("btr,bro->bto", h_btr, b_bro.astype(jnp.float32))
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _add_low_rank(logits_no: jax.Array, h_nq: jax.Array, b_qo: jax.Array, block: int) -> jax.Array:
+    """`logits + h B`, added in place `block` output columns at a time (a fori_loop over a carried buffer)."""
 
     def add_block(start, size, logits):
-        current = jax.lax.dynamic_slice_in_dim(logits, start, size, axis=2)
-        return jax.lax.dynamic_update_slice_in_dim(logits, current + delta(start, size), start, axis=2)
+        current = jax.lax.dynamic_slice_in_dim(logits, start, size, axis=1)
+        delta = jnp.dot(h_nq, jax.lax.dynamic_slice_in_dim(b_qo, start, size, axis=1))
+        return jax.lax.dynamic_update_slice_in_dim(logits, current + delta, start, axis=1)
 
-    block = min(block, out)
+    out = logits_no.shape[1]
     full = out // block
-    logits_bto = jax.lax.fori_loop(0, full, lambda j, lg: add_block(j * block, block, lg), logits_bto)
+    logits_no = jax.lax.fori_loop(0, full, lambda j, lg: add_block(j * block, block, lg), logits_no)
     if out > full * block:
-        logits_bto = add_block(full * block, out - full * block, logits_bto)
-    return logits_bto
+        logits_no = add_block(full * block, out - full * block, logits_no)
+    return logits_no
+
+
+def _add_low_rank_fwd(logits_no, h_nq, b_qo, block):
+    return _add_low_rank(logits_no, h_nq, b_qo, block), (h_nq, b_qo)
+
+
+def _add_low_rank_bwd(block, residuals, g_no):
+    # Written out: autodiff of the in-place loop would add a full [n, o] zero-padded block per step.
+    h_nq, b_qo = residuals
+    contract_out = (((1,), (1,)), ((), ()))
+    contract_tokens = (((0,), (0,)), ((), ()))
+    return g_no, jax.lax.dot_general(g_no, b_qo, contract_out), jax.lax.dot_general(h_nq, g_no, contract_tokens)
+
+
+_add_low_rank.defvjp(_add_low_rank_fwd, _add_low_rank_bwd)
 
 
 def lora_delta_grouped(
