@@ -1,9 +1,16 @@
-"""Per-adapter LoRA matmuls, two ways, plus the reference both are tested against.
+"""Per-adapter LoRA matmuls, three ways, plus the reference they are tested against.
+
+Every LoRA product runs in float32 whatever the model dtype: the input is cast up, the adapters are stored
+in float32, and the rank-r intermediate stays float32 (as PEFT does; it is rank-sized, so cheap).
 
 - `lora_delta_rows`: every batch row belongs to one adapter (training, prefill, decode). Each row's A
   and B are gathered (`[b, in, R]`, tiny next to the `[b, t, in]` activations) and applied with a batched
   matmul. FLOPs are `b * t * in * R * 2`, independent of how many adapters the batch mixes and of how
   many slots exist; no token permutation, and rows stay on their fsdp shard.
+- `add_lora_head_delta`: the same product for an output as wide as the vocabulary, where a per-row B
+  (`[b, R, vocab]`) or a separate delta would cost as much memory as the logits. `x A` is per row; B is
+  applied for all slots at once through a one-hot over (slot, rank), added in place into the base logits
+  a vocabulary block at a time, so memory does not grow with rows.
 - `lora_delta_grouped`: rows already sorted by a group id (MoE: expert x adapter), applied with
   `jax.lax.ragged_dot`, a grouped GEMM on TPU. (XLA's CPU lowering of ragged_dot loops over groups.)
 - `lora_delta_reference`: gathers a weight matrix per token; memory O(tokens * in * R), the oracle.
@@ -11,6 +18,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -34,29 +42,96 @@ def make_routing(group_n: jax.Array, num_groups: int) -> Routing:
     return Routing(sort_n, unsort_n, sizes_g)
 
 
+def _rank_activations(x_bti: jax.Array, adapter_b: jax.Array, lora_a_air: jax.Array) -> jax.Array:
+    """float32 `x_b A[a_b]` [b, t, R]; the per-row A is rank-sized."""
+    a_bir = lora_a_air[adapter_b].astype(jnp.float32)
+    return jnp.einsum("bti,bir->btr", x_bti.astype(jnp.float32), a_bir)
+
+
 def lora_delta_rows(
     x_bti: jax.Array, adapter_b: jax.Array, lora_a_air: jax.Array, lora_b_aro: jax.Array, scale_a: jax.Array
 ) -> jax.Array:
     """`scale[a_b] * (x_b A[a_b]) B[a_b]` for every row b; float32 [b, t, o]."""
-    dtype = x_bti.dtype
-    a_bir = lora_a_air[adapter_b].astype(dtype)
-    b_bro = lora_b_aro[adapter_b].astype(dtype)
-    h_btr = jnp.einsum("bti,bir->btr", x_bti, a_bir, preferred_element_type=jnp.float32)
-    y_bto = jnp.einsum("btr,bro->bto", h_btr.astype(dtype), b_bro, preferred_element_type=jnp.float32)
+    h_btr = _rank_activations(x_bti, adapter_b, lora_a_air)
+    b_bro = lora_b_aro[adapter_b].astype(jnp.float32)
+    y_bto = jnp.einsum("btr,bro->bto", h_btr, b_bro)
     return y_bto * scale_a[adapter_b][:, None, None].astype(jnp.float32)
+
+
+HEAD_BLOCK = 1024  # vocabulary columns of the head delta added per step
+
+
+def add_lora_head_delta(
+    logits_bto: jax.Array,
+    x_bti: jax.Array,
+    adapter_b: jax.Array,
+    lora_a_air: jax.Array,
+    lora_b_aro: jax.Array,
+    scale_a: jax.Array,
+    block: int = HEAD_BLOCK,
+) -> jax.Array:
+    """`logits + lora_delta_rows(x, ...)` for a vocabulary-wide output (the LM head); float32 [b, t, o].
+
+    `x A` is per row (rank-sized). Each token's scaled rank-r activations sit in one group's R columns of
+    a `[tokens, G*R]` one-hot layout, multiplied by B viewed as `[G*R, o]`. With at least as many rows
+    as slots the groups are the slots and B is used as stored (no gather; extra FLOPs
+    `tokens * A * R * o`, A*R / hidden of the base head); with fewer rows (decode, sampling) the groups
+    are the rows and B is gathered per row, `b * R * o` < `A * R * o`. The product is added into `logits`
+    in place, `block` columns at a time (`_add_low_rank`), so no `[b, t, o]` delta exists either."""
+    b, t, out = logits_bto.shape
+    num_slots, rank, _ = lora_b_aro.shape
+    h_btr = _rank_activations(x_bti, adapter_b, lora_a_air) * scale_a[adapter_b][:, None, None].astype(jnp.float32)
+    if b >= num_slots:
+        group_b, b_gro = adapter_b, lora_b_aro
+    else:
+        group_b, b_gro = jnp.arange(b), lora_b_aro[adapter_b]
+    groups = b_gro.shape[0]
+    onehot_bg = (group_b[:, None] == jnp.arange(groups)[None, :]).astype(jnp.float32)
+    h_nq = (h_btr[:, :, None, :] * onehot_bg[:, None, :, None]).reshape(b * t, groups * rank)
+    b_qo = b_gro.astype(jnp.float32).reshape(groups * rank, out)
+    logits_no = _add_low_rank(logits_bto.astype(jnp.float32).reshape(b * t, out), h_nq, b_qo, min(block, out))
+    return logits_no.reshape(b, t, out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _add_low_rank(logits_no: jax.Array, h_nq: jax.Array, b_qo: jax.Array, block: int) -> jax.Array:
+    """`logits + h B`, added in place `block` output columns at a time (a fori_loop over a carried buffer)."""
+
+    def add_block(start, size, logits):
+        current = jax.lax.dynamic_slice_in_dim(logits, start, size, axis=1)
+        delta = jnp.dot(h_nq, jax.lax.dynamic_slice_in_dim(b_qo, start, size, axis=1))
+        return jax.lax.dynamic_update_slice_in_dim(logits, current + delta, start, axis=1)
+
+    out = logits_no.shape[1]
+    full = out // block
+    logits_no = jax.lax.fori_loop(0, full, lambda j, lg: add_block(j * block, block, lg), logits_no)
+    if out > full * block:
+        logits_no = add_block(full * block, out - full * block, logits_no)
+    return logits_no
+
+
+def _add_low_rank_fwd(logits_no, h_nq, b_qo, block):
+    return _add_low_rank(logits_no, h_nq, b_qo, block), (h_nq, b_qo)
+
+
+def _add_low_rank_bwd(block, residuals, g_no):
+    # Written out: autodiff of the in-place loop would add a full [n, o] zero-padded block per step.
+    h_nq, b_qo = residuals
+    contract_out = (((1,), (1,)), ((), ()))
+    contract_tokens = (((0,), (0,)), ((), ()))
+    return g_no, jax.lax.dot_general(g_no, b_qo, contract_out), jax.lax.dot_general(h_nq, g_no, contract_tokens)
+
+
+_add_low_rank.defvjp(_add_low_rank_fwd, _add_low_rank_bwd)
 
 
 def lora_delta_grouped(
     x_sorted_ni: jax.Array, lora_a_gir: jax.Array, lora_b_gro: jax.Array, group_sizes_g: jax.Array
 ) -> jax.Array:
     """`(x A_g) B_g` for rows already sorted by group; unscaled float32 [n, o] in sorted order."""
-    dtype = x_sorted_ni.dtype
-    h_nr = jax.lax.ragged_dot(
-        x_sorted_ni, lora_a_gir.astype(dtype), group_sizes_g, preferred_element_type=jnp.float32
-    )
-    return jax.lax.ragged_dot(
-        h_nr.astype(dtype), lora_b_gro.astype(dtype), group_sizes_g, preferred_element_type=jnp.float32
-    )
+    f32 = jnp.float32
+    h_nr = jax.lax.ragged_dot(x_sorted_ni.astype(f32), lora_a_gir.astype(f32), group_sizes_g)
+    return jax.lax.ragged_dot(h_nr, lora_b_gro.astype(f32), group_sizes_g)
 
 
 def lora_delta_reference(

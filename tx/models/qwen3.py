@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tx.kernels.attention import resolve_attention_impl, self_attention_mask
-from tx.kernels.lora import lora_delta_rows
+from tx.kernels.lora import add_lora_head_delta
 from tx.models.config import LoraSlots, ModelConfig
 from tx.models.layers.attention import Attention
 from tx.models.layers.lora import lora_variables
@@ -113,8 +113,8 @@ class LMHead(nnx.Module):
         w_dv = embedding_vd.T if self.kernel is None else self.kernel[...]
         logits_btv = jnp.dot(h_btd, w_dv, preferred_element_type=jnp.float32)
         if adapter_b is not None:
-            logits_btv = logits_btv + lora_delta_rows(
-                h_btd, adapter_b, self.lora_a[...], self.lora_b[...], self.lora_scale[...]
+            logits_btv = add_lora_head_delta(  # in place, vocab block by block: no per-row B
+                logits_btv, h_btd, adapter_b, self.lora_a[...], self.lora_b[...], self.lora_scale[...]
             )
         return logits_btv
 
