@@ -25,35 +25,13 @@ import json
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
+from common import PeakRSS
+
 RANK = 16
 SHAPE_FLAGS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size")
-
-
-class PeakRSS:
-    """Highest resident memory of this process while the block runs (sampled every 5 ms)."""
-
-    def __enter__(self):
-        import psutil
-
-        self._proc, self._stop = psutil.Process(), False
-        self.peak = self._proc.memory_info().rss
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop:
-            self.peak = max(self.peak, self._proc.memory_info().rss)
-            time.sleep(0.005)
-
-    def __exit__(self, *exc):
-        self._stop = True
-        self._thread.join()
-        self.peak = max(self.peak, self._proc.memory_info().rss)
 
 
 def rss() -> int:

@@ -15,35 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
-from common import add_model_args, random_model
+from common import PeakRSS, add_model_args, random_model
 
 RANK = 16
-
-
-class PeakRSS:
-    """Peak resident memory of this process while the block runs (sampled every 20 ms)."""
-
-    def __enter__(self):
-        import psutil
-
-        self._proc, self.peak, self._stop = psutil.Process(), 0, False
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop:
-            self.peak = max(self.peak, self._proc.memory_info().rss)
-            time.sleep(0.02)
-
-    def __exit__(self, *exc):
-        self._stop = True
-        self._thread.join()
 
 
 def make_batches(args, vocab: int, adapters: int) -> list[tuple[list[list[int]], list[int]]]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -35,3 +37,26 @@ def random_model(args: argparse.Namespace) -> Iterator[tuple[Path, int]]:
         model_dir = write_tiny_model(Path(tmp) / "model", spec)
         files = SafetensorsDir(model_dir)
         yield model_dir, sum(int(np.prod(files.shape(k))) for k in files.keys())
+
+
+class PeakRSS:
+    """Highest resident memory of this process while the block runs (sampled every 5 ms)."""
+
+    def __enter__(self):
+        import psutil
+
+        self._proc, self._stop = psutil.Process(), False
+        self.peak = self._proc.memory_info().rss
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop:
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+            time.sleep(0.005)
+
+    def __exit__(self, *exc):
+        self._stop = True
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
