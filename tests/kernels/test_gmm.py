@@ -63,6 +63,28 @@ def test_megablox_interpret_matches_reference(case):
     _check("megablox", *CASES[case])
 
 
+@pytest.mark.parametrize("impl", ["blocked", "ragged_dot", "megablox"])
+def test_layer_of_a_stack_matches_reference(impl):
+    """`layer` picks one layer of a stacked `[L, g, i, o]` weight: outputs and dx as with that layer's
+    slice, dw zero except at `[layer]` (what a scanned MoE stack relies on)."""
+    sizes, m, i, o, stack = [5, 0, 20, 3], 31, 12, 9, 3
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((m, i)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((stack, len(sizes), i, o)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((m, o)), jnp.float32)
+    sizes_g = jnp.asarray(sizes, jnp.int32)
+    fn = jax.jit(lambda x, w, layer: gmm(x, w, sizes_g, impl=impl, min_tile=4, layer=layer))
+    for layer in range(stack):
+        want, want_dx, want_dw = _reference(x, w[layer], sizes, dy)
+        np.testing.assert_allclose(fn(x, w, jnp.int32(layer)), want, **TOL)
+        dx, dw = jax.grad(lambda x, w: jnp.vdot(fn(x, w, jnp.int32(layer)), dy), argnums=(0, 1))(x, w)
+        np.testing.assert_allclose(dx, want_dx, **TOL)
+        np.testing.assert_allclose(dw[layer], want_dw, **TOL)
+        assert not np.any(np.delete(np.asarray(dw), layer, axis=0))
+    with pytest.raises(ValueError, match="with layer"):
+        gmm(x, w[0], sizes_g, impl=impl, layer=jnp.int32(0))
+
+
 def test_blocked_bf16_within_reference_error():
     """bf16 inputs, float32 accumulation: within ragged_dot's own bf16 error of the float32 result."""
     rng = np.random.default_rng(3)

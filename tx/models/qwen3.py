@@ -56,10 +56,16 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack, dtype=dtype)
         self.mlp = SparseMoE(cfg, moe_impl=moe_impl, **kw) if moe else MLP(cfg.hidden_size, cfg.intermediate_size, **kw)
 
-    def __call__(self, x_btd, cos_sin, mask_bts, adapter_b: jax.Array | None, cache=None):
+    def __call__(self, x_btd, cos_sin, mask_bts, adapter_b: jax.Array | None, cache=None, layer=None):
         attn_btd, kv = self.self_attn(self.input_layernorm(x_btd), cos_sin, mask_bts, adapter_b, cache)
         x_btd = x_btd + attn_btd
-        return x_btd + self.mlp(self.post_attention_layernorm(x_btd), adapter_b), kv
+        mlp_in_btd = self.post_attention_layernorm(x_btd)
+        mlp_btd = self.mlp(mlp_in_btd, adapter_b) if layer is None else self.mlp(mlp_in_btd, adapter_b, layer)
+        return x_btd + mlp_btd, kv
+
+
+def _is_expert_kernel(path, _value) -> bool:
+    return len(path) >= 2 and path[-1] == "kernel" and "experts" in path
 
 
 class DecoderStack(nnx.Module):
@@ -74,21 +80,31 @@ class DecoderStack(nnx.Module):
     def __call__(self, x_btd, cos_sin, mask_bts, adapter_b: jax.Array | None, cache=None, return_kv=False):
         """Hidden states, and keys/values: None; `[L, b, t, kv, d]` pairs if `return_kv` (prefill); or the
         updated `[L, b, s, kv, d]` cache pair when `cache = (k, v, write_pos_b)` is given (decode)."""
-        graphdef, state = nnx.split(self.layer)
+        # MoE expert kernels stay whole ([L, E, in, out], closed over) and each step passes its layer index:
+        # scanning over them would copy every layer's expert slice (GBs per layer at real shapes).
+        if self.moe:
+            graphdef, whole, state = nnx.split(self.layer, _is_expert_kernel, ...)
+        else:
+            (graphdef, state), whole = nnx.split(self.layer), None
+        layer_l = jnp.arange(len(self.layer_ids), dtype=jnp.int32)
 
         def body(h_btd, xs):
-            layer_state, layer_cache = xs
-            h_btd, kv = nnx.merge(graphdef, layer_state)(h_btd, cos_sin, mask_bts, adapter_b, layer_cache)
+            layer_state, layer_cache, layer = xs
+            if whole is None:
+                h_btd, kv = nnx.merge(graphdef, layer_state)(h_btd, cos_sin, mask_bts, adapter_b, layer_cache)
+            else:
+                layer_module = nnx.merge(graphdef, whole, layer_state)
+                h_btd, kv = layer_module(h_btd, cos_sin, mask_bts, adapter_b, layer_cache, layer)
             return h_btd, (kv if return_kv or layer_cache is not None else None)
 
         policy = remat_policy(self.remat_policy)
         if policy is not None:  # per-layer gradient checkpointing: the policy says what the backward may keep
             body = jax.checkpoint(body, policy=policy)
         if cache is None:
-            return jax.lax.scan(body, x_btd, (state, None))
+            return jax.lax.scan(body, x_btd, (state, None, layer_l))
         k_cache, v_cache, write_pos_b = cache
-        xs = (state, (k_cache, v_cache, jnp.broadcast_to(write_pos_b, (k_cache.shape[0], *write_pos_b.shape))))
-        return jax.lax.scan(body, x_btd, xs)
+        write_pos_lb = jnp.broadcast_to(write_pos_b, (k_cache.shape[0], *write_pos_b.shape))
+        return jax.lax.scan(body, x_btd, (state, (k_cache, v_cache, write_pos_lb), layer_l))
 
 
 class Embedding(nnx.Module):

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tx.kernels.gmm import GMM_IMPLS, gmm
+from tx.kernels.gmm import gmm, resolve_impl
 from tx.kernels.lora import make_routing
 from tx.models.config import ModelConfig
 from tx.models.layers.lora import lora_variables
@@ -34,6 +34,7 @@ class ExpertRows(NamedTuple):
     slots_p: jax.Array  # int32 [P]: present adapter slots (unused entries repeat slot 0 and own no rows)
     adapter_r: jax.Array  # int32 [rows], sorted order
     impl: str
+    layer: jax.Array | None  # int32 scalar: the layer of a scanned stack whose expert kernels are `[L, E, ...]`
 
 
 def present_slots(adapter_b: jax.Array, num_adapters: int) -> tuple[jax.Array, jax.Array]:
@@ -47,7 +48,10 @@ def present_slots(adapter_b: jax.Array, num_adapters: int) -> tuple[jax.Array, j
 
 
 class ExpertLinear(nnx.Module):
-    """`kernel [E, in, out]` plus per-expert LoRA `lora_a [E, A, in, R]`, `lora_b [E, A, R, out]`."""
+    """`kernel [E, in, out]` plus per-expert LoRA `lora_a [E, A, in, R]`, `lora_b [E, A, R, out]`.
+
+    Under a scanned stack the kernel may arrive whole, `[L, E, in, out]`, with `rows.layer` naming the
+    layer (see `DecoderStack`): the grouped matmul indexes it in place instead of copying a slice."""
 
     def __init__(
         self,
@@ -67,7 +71,7 @@ class ExpertLinear(nnx.Module):
         )
 
     def __call__(self, x_ri: jax.Array, rows: ExpertRows, use_lora: bool) -> jax.Array:
-        y_ro = gmm(x_ri, self.kernel[...], rows.expert_sizes_e, impl=rows.impl)
+        y_ro = gmm(x_ri, self.kernel[...], rows.expert_sizes_e, impl=rows.impl, layer=rows.layer)
         if use_lora:
             a_epir = self.lora_a[...][:, rows.slots_p]
             e, p, i, r = a_epir.shape
@@ -103,8 +107,7 @@ class SparseMoE(nnx.Module):
         rngs: nnx.Rngs,
         moe_impl: str = "auto",
     ):
-        if moe_impl not in GMM_IMPLS:
-            raise ValueError(f"moe_impl {moe_impl!r} is not one of {GMM_IMPLS}")
+        resolve_impl(moe_impl)  # an unknown name fails when the model is built
         self.moe_impl = moe_impl
         self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.num_adapters = num_adapters
@@ -120,7 +123,8 @@ class SparseMoE(nnx.Module):
             weight_nk = weight_nk / jnp.sum(weight_nk, axis=-1, keepdims=True)
         return expert_nk, weight_nk.astype(x_nd.dtype)
 
-    def __call__(self, x_btd: jax.Array, adapter_b: jax.Array | None) -> jax.Array:
+    def __call__(self, x_btd: jax.Array, adapter_b: jax.Array | None, layer: jax.Array | None = None) -> jax.Array:
+        """`layer`: set when the expert kernels are the whole stack `[L, E, in, out]` (see ExpertLinear)."""
         b, t, d = x_btd.shape
         x_nd = x_btd.reshape(-1, d)
         n, k, e = x_nd.shape[0], self.top_k, self.num_experts
@@ -141,6 +145,7 @@ class SparseMoE(nnx.Module):
             slots_p,
             jnp.repeat(adapter_b, t * k)[routing.sort_n],
             self.moe_impl,
+            layer,
         )
         x_rd = x_nd[routing.sort_n // k]
         h_rf = jax.nn.silu(self.experts.gate_proj(x_rd, rows, use_lora)) * self.experts.up_proj(x_rd, rows, use_lora)
