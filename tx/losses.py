@@ -2,9 +2,14 @@
 
 A loss is a JAX function of one datum (row):
 
-    loss_fn(target_logprobs[t], inputs: {"weights", "logprobs", "advantages"} -> [t], config: {key: scalar}) -> [t]
+    loss_fn(target_logprobs[t], inputs: {"weights", "logprobs", "advantages", "sequence_ratio_mask"} -> [t],
+            config: {key: scalar}) -> [t]
 
-returning the per-token loss. The server sums it over tokens and datums (Tinker's semantics: no
+returning the per-token loss. A loss registered with `multi_target=True` also takes 2-D `[t, K]` targets
+(K target tokens per position, e.g. top-k distillation): it then sees `target_logprobs` and `weights` as
+`[t, K]` and may return `[t, K]`, which is summed over K. Other losses see column 0 only (the server refuses
+2-D targets for them). One row is one datum, so a sequence-level reduction inside a loss (gspo) is a
+reduction over that datum alone. The server sums it over tokens and datums (Tinker's semantics: no
 averaging; clients normalise through weights / advantages). One batch may mix losses and configs per
 row. Register a custom loss in a module imported on every host (the registry is per process, and every
 host must compile the same program):
@@ -25,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 LossFn = Callable[[jax.Array, Mapping[str, jax.Array], Mapping[str, jax.Array]], jax.Array]
-INPUT_KEYS = ("weights", "logprobs", "advantages")
+INPUT_KEYS = ("weights", "logprobs", "advantages", "sequence_ratio_mask")
 
 
 @dataclass(frozen=True)
@@ -33,22 +38,24 @@ class LossSpec:
     name: str
     fn: LossFn
     config_defaults: Mapping[str, float]
+    multi_target: bool = False
 
 
 _REGISTRY: dict[str, LossSpec] = {}
 
 
 def register(name: str, fn: LossFn | None = None, *, config_defaults: Mapping[str, float] | None = None,
-             replace: bool = False):
+             replace: bool = False, multi_target: bool = False):
     """Register `fn` under `name` (use as `@register("name")` or `register("name", fn)`).
 
     `config_defaults` lists every `loss_fn_config` key the loss accepts, with its default; requests with
-    other keys are rejected. Re-registering a name raises unless `replace=True`."""
+    other keys are rejected. `multi_target` says the loss accepts 2-D `[t, K]` targets (see the module
+    docstring). Re-registering a name raises unless `replace=True`."""
 
     def add(f: LossFn) -> LossFn:
         if name in _REGISTRY and not replace:
             raise ValueError(f"loss {name!r} is already registered (pass replace=True to override)")
-        _REGISTRY[name] = LossSpec(name, f, dict(config_defaults or {}))
+        _REGISTRY[name] = LossSpec(name, f, dict(config_defaults or {}), multi_target)
         return f
 
     return add(fn) if fn is not None else add
@@ -79,7 +86,7 @@ def resolve_config(name: str, config: Mapping[str, float] | None) -> dict[str, f
 
 
 def per_token_losses(
-    target_logprobs_bt: jax.Array,
+    target_logprobs_btk: jax.Array,
     inputs_bt: Mapping[str, jax.Array],
     loss_index_b: jax.Array,
     config_bk: jax.Array,
@@ -88,16 +95,31 @@ def per_token_losses(
 ) -> jax.Array:
     """Each row's own loss (`loss_names[loss_index_b[b]]`, config row `config_bk[b]` over `keys`), [b, t].
 
+    `target_logprobs_btk` and `inputs_bt["weights"]` carry K target columns ([b, t, K]; 1-D rows use
+    column 0 and weigh the others 0; [b, t] means K = 1); every other input is [b, t] (missing = zeros).
+
     Every loss is evaluated on every row, but rows that do not use it see all-zero inputs, so a loss
     that is not selected can never put inf / NaN into the gradient of a row that does not use it."""
-    total_bt = jnp.zeros_like(target_logprobs_bt)
+    if target_logprobs_btk.ndim == 2:  # one target per position
+        target_logprobs_btk = target_logprobs_btk[..., None]
+    b_t = target_logprobs_btk.shape[:2]
+    inputs_bt = {k: jnp.zeros(b_t, target_logprobs_btk.dtype) for k in INPUT_KEYS} | dict(inputs_bt)
+    if inputs_bt["weights"].ndim == 2:
+        inputs_bt["weights"] = inputs_bt["weights"][..., None]
+    total_bt = jnp.zeros(b_t, target_logprobs_btk.dtype)
     for i, name in enumerate(loss_names):
         spec = get(name)
         on_b = loss_index_b == i
-        keep = lambda x: jnp.where(on_b[:, None], x, 0.0)  # noqa: E731
+
+        def keep(x, on_b=on_b):
+            return jnp.where(on_b.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0.0)
+
+        tlp = target_logprobs_btk if spec.multi_target else target_logprobs_btk[..., 0]
+        inputs = {k: keep(v if k != "weights" or spec.multi_target else v[..., 0]) for k, v in inputs_bt.items()}
         config = {k: config_bk[:, j] for j, k in enumerate(keys)}
         row_fn = lambda tlp, inp, cfg, f=spec.fn: f(tlp, inp, cfg)  # noqa: E731
-        loss_bt = jax.vmap(row_fn)(keep(target_logprobs_bt), {k: keep(v) for k, v in inputs_bt.items()}, config)
+        loss = jax.vmap(row_fn)(keep(tlp), inputs, config)
+        loss_bt = loss.sum(axis=tuple(range(2, loss.ndim)))
         total_bt = jnp.where(on_b[:, None], loss_bt, total_bt)
     return total_bt
 
@@ -106,9 +128,10 @@ def _ratio(tlp: jax.Array, inputs: Mapping[str, jax.Array]) -> jax.Array:
     return jnp.exp(tlp - inputs["logprobs"])
 
 
-@register("cross_entropy")
+@register("cross_entropy", multi_target=True)
 def cross_entropy(tlp, inputs, config):
-    """Supervised learning: `-tlp * weights` (tlp = log p of the target token)."""
+    """Supervised learning: `-tlp * weights` (tlp = log p of the target token). With 2-D targets
+    (Tinker's top-k distillation form) the per-token loss is `-sum_k weights[t, k] * tlp[t, k]`."""
     return -tlp * inputs["weights"]
 
 
@@ -138,3 +161,37 @@ def cispo(tlp, inputs, config):
 def dro(tlp, inputs, config):
     """Quadratic-penalty off-policy objective: `-(tlp * A - 0.5 * beta * (tlp - sampling_logprobs)^2)`."""
     return -(tlp * inputs["advantages"] - 0.5 * config["beta"] * (tlp - inputs["logprobs"]) ** 2)
+
+
+@register("gspo", config_defaults={"clip_low_threshold": 1.0 - 3e-4, "clip_high_threshold": 1.0 + 4e-4})
+def gspo(tlp, inputs, config):
+    """GSPO-token (Zheng et al. 2025, arXiv:2507.18071; formula as on Tinker's GSPO page,
+    tinker-docs.thinkingmachines.ai/tinker/losses/gspo): the sequence log-ratio is the mean of
+    `sg(tlp) - sampling_logprobs` over the tokens `sequence_ratio_mask` marks (of this datum only); every
+    token's ratio carries that value with the gradient of its own log-prob,
+    `r_t = exp(log_ratio + tlp - sg(tlp))`, in a PPO-style clipped objective `-min(r_t A_t, clip(r_t) A_t)`.
+    Defaults are the paper's clip ranges (1 - 3e-4, 1 + 4e-4); an empty mask means a ratio of 1."""
+    mask = (inputs["sequence_ratio_mask"] != 0).astype(tlp.dtype)
+    tlp_sg = jax.lax.stop_gradient(tlp)
+    log_ratio = jnp.sum(mask * (tlp_sg - inputs["logprobs"])) / jnp.maximum(jnp.sum(mask), 1.0)
+    ratio = jnp.exp(log_ratio + tlp - tlp_sg)
+    clipped = jnp.clip(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
+    advantages = inputs["advantages"]
+    return -jnp.minimum(ratio * advantages, clipped * advantages)
+
+
+@register("stable_reinforce", config_defaults={"kl_coeff": 0.0, "clip_high_threshold": 2.0})
+def stable_reinforce(tlp, inputs, config):
+    """tx's StableReinforce. Tinker documents the loss's inputs (provenance naming sequences sampled with
+    `record_stability_info=True`) and its `kl_coeff` config key, but not its formula; this one is tx's
+    own, in that spirit: a REINFORCE gradient with a truncated importance weight and a quadratic penalty,
+    both taken against the sampler's own log-probs `q` as the server recorded them (not the client's):
+
+        loss_t = -sg(min(exp(tlp - q), clip_high_threshold)) * A_t * tlp_t + kl_coeff * 0.5 * (tlp_t - q_t)^2
+
+    on the positions backed by a recorded sampled token (`sequence_ratio_mask` != 0, set by the server
+    from the provenance spans); elsewhere (prompt positions) the weight is 1 and there is no penalty."""
+    recorded = inputs["sequence_ratio_mask"] != 0
+    delta = jnp.where(recorded, tlp - inputs["logprobs"], 0.0)
+    weight = jax.lax.stop_gradient(jnp.minimum(jnp.exp(delta), config["clip_high_threshold"]))
+    return -weight * inputs["advantages"] * tlp + config["kl_coeff"] * 0.5 * delta**2

@@ -96,8 +96,10 @@ class PreparedModelPassBatch(_Strict):
     """All datums of a batch of forward / forward_backward requests, flattened (one entry per datum)."""
 
     all_input_ids: list[list[int]]
-    all_targets: list[list[int]]
-    all_token_weights: list[list[float]]
+    all_targets: list[list[int] | list[list[int]]] = Field(
+        description="per datum: [n] target ids, or [n, K] (K targets per position, for losses that take them)")
+    all_token_weights: list[list[float] | list[list[float]]] = Field(
+        description="per datum: [n] weights, or [n, K] with 2-D targets (same shape); [] = zeros")
     all_sampling_logprobs: list[list[float]]
     all_advantages: list[list[float]]
     all_model_ids: list[str]
@@ -106,6 +108,9 @@ class PreparedModelPassBatch(_Strict):
     request_batch_slices: list[tuple[str, str, int, int]] = Field(
         description="(request_id, model_id, start, end): datums [start, end) belong to that request"
     )
+    all_ratio_masks: list[list[float]] | None = Field(
+        None, description="per datum: sequence_ratio_mask ([n], [] = zeros); gspo's sequence ratio and "
+        "stable_reinforce's recorded positions; None = zeros for every datum")
     all_segment_ids: list[list[int]] | None = Field(
         None, description="packed datums: per token, which example it belongs to (attention stays within an "
         "example, positions restart at each); None = one example per datum"
@@ -118,6 +123,8 @@ class PreparedModelPassBatch(_Strict):
                   "all_model_ids", "all_loss_fns", "all_loss_fn_configs")
         if self.all_segment_ids is not None:
             fields += ("all_segment_ids",)
+        if self.all_ratio_masks is not None:
+            fields += ("all_ratio_masks",)
         for name in fields:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries, all_input_ids has {n}")

@@ -87,7 +87,10 @@ CRAFTED = {  # name: (target_tokens tensor, what the 400 must say)
     "2^63 - 1": (pb.Tensor(dtype=pb.DTYPE_INT64, shape=[2**63 - 1]), "shape [9223372036854775807]"),
     "shape without data": (pb.Tensor(dtype=pb.DTYPE_INT64, shape=[4]), "has 0 entries but model_input has 4"),
     "2-D of the right size": (pb.Tensor(dtype=pb.DTYPE_INT64, shape=[2, 2], dense=np.zeros(4, np.int64).tobytes()),
-                              "shape [2, 2]; tx supports dense per-token 1-D inputs of length 4"),
+                              "shape [2, 2]; tx takes [4] or [4, K] here"),
+    "2-D with a huge K": (pb.Tensor(dtype=pb.DTYPE_INT64, shape=[4, 10**13]), "K must be between 1 and 128"),
+    "sparse 2-D, column out of range": (_csr([4, 3], [0, 1, 1, 1, 1], [3], [1.0]), "col_indices must be in [0, 3)"),
+    "sparse 2-D, bad row offsets": (_csr([4, 3], [0, 2, 1, 1, 1], [0], [1.0]), "crow_indices must be 5 non-decreasing"),
     "ragged bytes": (pb.Tensor(dtype=pb.DTYPE_INT64, shape=[4], dense=b"\0" * 31), "31 bytes is not a whole number"),
     "unknown dtype": (pb.Tensor(dtype=77, shape=[4], dense=b"\0" * 32), "unsupported dtype 77"),
 }

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from tx import losses, types
-from tx.api import bodies, schemas, wire
+from tx.api import bodies, schemas, stability, wire
 from tx.api.common import ApiError, Tenant, found, owned, page, str_metadata, tenant
 from tx.api.config import TINKER_LORA_ALPHA, ApiConfig, ServedModel  # noqa: F401 - ApiConfig re-exported
 from tx.api.runs import add_run_routes
@@ -256,7 +256,7 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
             if msg.loss_fn not in losses.names():
                 raise UserError(f"loss_fn {msg.loss_fn!r} is not supported; available: {', '.join(losses.names())}")
             engine.check_pass_size(len(msg.data), tokens)  # before decoding: a huge request is refused cheaply
-            return wire.pass_request(msg)
+            return stability.attach(wire.pass_request(msg), msg, store.future, who.sees)
 
         kind = "forward" if head.forward_only else "forward_backward"
         return await submit_training(head.model_id, head.seq_id, kind, build, who, size=max(1, head.num_datums),

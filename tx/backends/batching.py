@@ -23,10 +23,11 @@ class Row:
     request_index: int
     adapter: int
     input_ids: np.ndarray  # int32 [n]
-    targets: np.ndarray  # int32 [n]
-    weights: np.ndarray  # float32 [n]
+    targets: np.ndarray  # int32 [n], or [n, K] (K targets per position)
+    weights: np.ndarray  # float32, the shape of targets
     logprobs: np.ndarray  # float32 [n]
     advantages: np.ndarray  # float32 [n]
+    ratio_mask: np.ndarray  # float32 [n]: sequence_ratio_mask
     loss_index: int
     config: np.ndarray  # float32 [len(losses.config_keys())]
     segment_ids: np.ndarray  # int32 [n]
@@ -126,12 +127,42 @@ def _float_field(name: str, values: list[float], n: int, datum: int) -> np.ndarr
     return device
 
 
-def _token_field(name: str, values: list[int], vocab: int, datum: int) -> np.ndarray:
+def _token_field(name: str, values, vocab: int, datum: int) -> np.ndarray:
     arr = np.asarray(values, np.int64)
-    bad = np.flatnonzero((arr < 0) | (arr >= vocab))
+    bad = np.argwhere((arr < 0) | (arr >= vocab))
     if bad.size:
-        raise ValueError(f"datum {datum}: {name}[{bad[0]}] = {arr[bad[0]]} is outside the vocabulary [0, {vocab})")
+        at = tuple(int(j) for j in bad[0])
+        raise ValueError(f"datum {datum}: {name}[{', '.join(map(str, at))}] = {arr[at]} is outside the vocabulary "
+                         f"[0, {vocab})")
     return arr.astype(np.int32)
+
+
+def _targets(values, n: int, loss: str, datum: int) -> np.ndarray:
+    """target_tokens as [n] or [n, K]; 2-D only for a loss registered with `multi_target`."""
+    try:
+        arr = np.asarray(values, np.int64)
+    except ValueError:
+        raise ValueError(f"datum {datum}: target_tokens is not a rectangular [n] or [n, K] array") from None
+    if arr.ndim not in (1, 2) or arr.shape[0] != n or (arr.ndim == 2 and arr.shape[1] < 1):
+        raise ValueError(f"datum {datum}: target_tokens has shape {list(arr.shape)}; it must be [{n}] or [{n}, K] "
+                         f"with K >= 1 (model_input has {n} tokens)")
+    if arr.ndim == 2 and not losses.get(loss).multi_target:
+        raise ValueError(f"datum {datum}: target_tokens has shape {list(arr.shape)}; loss {loss!r} takes 1-D "
+                         f"targets only (2-D targets: {', '.join(n for n in losses.names() if losses.get(n).multi_target)})")
+    return arr
+
+
+def _weights(values, shape: tuple[int, ...], datum: int) -> np.ndarray:
+    """weights shaped like target_tokens (empty = zeros), finite in float32."""
+    if len(values) == 0:
+        return np.zeros(shape, np.float32)
+    try:
+        arr = np.asarray(values, np.float64)
+    except ValueError:
+        raise ValueError(f"datum {datum}: weights is not a rectangular array") from None
+    if arr.shape != shape:
+        raise ValueError(f"datum {datum}: weights has shape {list(arr.shape)} but target_tokens has {list(shape)}")
+    return _float_field("weights", arr.reshape(-1).tolist(), arr.size, datum).reshape(shape)
 
 
 def validate(
@@ -142,6 +173,7 @@ def validate(
 ) -> tuple[list[Row], dict[int, str]]:
     """Rows of the valid requests, and an error message per invalid request (by slice index)."""
     loss_names, keys = losses.names(), losses.config_keys()
+    masks = batch.all_ratio_masks
     rows: list[Row] = []
     errors: dict[int, str] = {}
     for r, (_, _, start, end) in enumerate(batch.request_batch_slices):
@@ -162,11 +194,7 @@ def validate(
                     raise ValueError(f"datum {i - start}: empty sequence")
                 if n > max_seq_len:
                     raise ValueError(f"datum {i - start}: sequence of {n} tokens exceeds max_seq_len={max_seq_len}")
-                if len(batch.all_targets[i]) != n:
-                    raise ValueError(
-                        f"datum {i - start}: target_tokens has {len(batch.all_targets[i])} entries "
-                        f"but model_input has {n} tokens"
-                    )
+                targets = _targets(batch.all_targets[i], n, loss, i - start)
                 segments = np.zeros(n, np.int32)
                 if batch.all_segment_ids is not None:
                     segments = np.asarray(batch.all_segment_ids[i], np.int64)
@@ -178,10 +206,11 @@ def validate(
                         request_index=r,
                         adapter=adapter,
                         input_ids=_token_field("model_input", ids, vocab, i - start),
-                        targets=_token_field("target_tokens", batch.all_targets[i], vocab, i - start),
-                        weights=_float_field("weights", batch.all_token_weights[i], n, i - start),
+                        targets=_token_field("target_tokens", targets, vocab, i - start),
+                        weights=_weights(batch.all_token_weights[i], targets.shape, i - start),
                         logprobs=_float_field("logprobs", batch.all_sampling_logprobs[i], n, i - start),
                         advantages=_float_field("advantages", batch.all_advantages[i], n, i - start),
+                        ratio_mask=_float_field("sequence_ratio_mask", masks[i] if masks else [], n, i - start),
                         loss_index=loss_names.index(loss),
                         config=np.asarray([config.get(k, 0.0) for k in keys], np.float32),
                         segment_ids=segments,
@@ -195,12 +224,16 @@ def validate(
 
 
 def pack(rows: list[Row], num_rows: int, seq_len: int, num_keys: int) -> dict[str, np.ndarray]:
-    """Right-padded arrays; padding rows use adapter 0 and zero everything (they add exactly nothing)."""
+    """Right-padded arrays; padding rows use adapter 0 and zero everything (they add exactly nothing).
+    Targets and weights are [rows, seq_len, K], K the most target columns of any row (1-D rows fill
+    column 0; the other columns weigh 0)."""
+    k = max((r.targets.shape[1] for r in rows if r.targets.ndim == 2), default=1)
     out = {
         "input_ids": np.zeros((num_rows, seq_len), np.int32),
         "attention_mask": np.zeros((num_rows, seq_len), np.int32),
-        "targets": np.zeros((num_rows, seq_len), np.int32),
-        "weights": np.zeros((num_rows, seq_len), np.float32),
+        "targets": np.zeros((num_rows, seq_len, k), np.int32),
+        "weights": np.zeros((num_rows, seq_len, k), np.float32),
+        "sequence_ratio_mask": np.zeros((num_rows, seq_len), np.float32),
         "logprobs": np.zeros((num_rows, seq_len), np.float32),
         "advantages": np.zeros((num_rows, seq_len), np.float32),
         "adapter": np.zeros(num_rows, np.int32),
@@ -213,8 +246,10 @@ def pack(rows: list[Row], num_rows: int, seq_len: int, num_keys: int) -> dict[st
         n = len(row.input_ids)
         out["input_ids"][b, :n] = row.input_ids
         out["attention_mask"][b, :n] = 1
-        out["targets"][b, :n] = row.targets
-        out["weights"][b, :n] = row.weights
+        cols = row.targets.shape[1] if row.targets.ndim == 2 else 1
+        out["targets"][b, :n, :cols] = row.targets.reshape(n, cols)
+        out["weights"][b, :n, :cols] = row.weights.reshape(n, cols)
+        out["sequence_ratio_mask"][b, :n] = row.ratio_mask
         out["logprobs"][b, :n] = row.logprobs
         out["advantages"][b, :n] = row.advantages
         out["adapter"][b] = row.adapter

@@ -241,7 +241,9 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
             tlp_bt, loss_bt = to_host(tlp_bt), to_host(loss_bt)
             for b, i in enumerate(idx):
                 n = len(rows[i].input_ids)
-                logprobs[i], elementwise[i] = tlp_bt[b, :n], loss_bt[b, :n]
+                cols = rows[i].targets.shape[1] if rows[i].targets.ndim == 2 else None  # [n, K] in, [n, K] out
+                logprobs[i] = tlp_bt[b, :n, :cols] if cols else tlp_bt[b, :n, 0]
+                elementwise[i] = loss_bt[b, :n]
         by_request: dict[int, list[int]] = {}
         for i, row in enumerate(rows):
             by_request.setdefault(row.request_index, []).append(i)
@@ -334,9 +336,10 @@ def _non_finite_output(rows: list[batching.Row], members: list[int], logprobs: l
     """Why a request's outputs cannot be returned as a success (a non-finite value), or None."""
     for d, i in enumerate(members):
         for field, values in (("logprobs", logprobs[i]), ("elementwise_loss", elementwise[i])):
-            bad = np.flatnonzero(~np.isfinite(values))
+            bad = np.argwhere(~np.isfinite(values))
             if bad.size:
-                return (f"datum {d}: {field}[{bad[0]}] = {values[bad[0]]} is not finite in float32 "
+                at = tuple(int(j) for j in bad[0])
+                return (f"datum {d}: {field}[{', '.join(map(str, at))}] = {values[at]} is not finite in float32 "
                         f"({_largest_inputs(rows, [i])})")
     loss_sum = sum(elementwise[i].astype(np.float64).sum() for i in members)
     if not np.isfinite(loss_sum):

@@ -46,7 +46,7 @@ def make_model_pass(
 ) -> Callable:
     """The jitted pass of one micro-batch, by `mode`:
 
-    - "forward":    `(lora, frozen, batch) -> (target_logprobs [b, t], per_token_loss [b, t])`
+    - "forward":    `(lora, frozen, batch) -> (target_logprobs [b, t, K], per_token_loss [b, t])`
     - "grads":      `(lora, frozen, batch) -> (grads, tlp, loss)`: the first micro-batch of a call
     - "accumulate": `(lora, frozen, acc, batch) -> (acc + grads, tlp, loss)`, `acc` donated
 
@@ -59,6 +59,7 @@ def make_model_pass(
         adapter_b = batch["adapter"]
         hidden_btd = model(batch["input_ids"], batch["attention_mask"], adapter_b,
                            positions_bt=batch["positions"], segment_ids_bt=batch["segment_ids"])
+        # targets [b, t, K]: the extra cost of K > 1 is a gather of K values per position of each chunk
         tlp_bt = model.target_logprobs(hidden_btd, batch["targets"], adapter_b, chunk_size=chunk_size)
         inputs = {k: batch[k] for k in losses.INPUT_KEYS}
         loss_bt = losses.per_token_losses(tlp_bt, inputs, batch["loss_index"], batch["config"], loss_names, keys)

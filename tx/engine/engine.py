@@ -228,7 +228,8 @@ class Engine:
     def _run_passes(self, kind: str, ops: list[Op]) -> None:
         """One backend call for the passes of every model in the round."""
         batch = {k: [] for k in ("all_input_ids", "all_targets", "all_token_weights", "all_sampling_logprobs",
-                                 "all_advantages", "all_model_ids", "all_loss_fns", "all_loss_fn_configs")}
+                                 "all_advantages", "all_model_ids", "all_loss_fns", "all_loss_fn_configs",
+                                 "all_ratio_masks")}
         slices = []
         for op in ops:
             start = len(batch["all_input_ids"])
@@ -238,6 +239,7 @@ class Engine:
                 batch["all_token_weights"].append(d.weights)
                 batch["all_sampling_logprobs"].append(d.logprobs)
                 batch["all_advantages"].append(d.advantages)
+                batch["all_ratio_masks"].append(d.ratio_mask)
                 batch["all_model_ids"].append(op.model_id)
                 batch["all_loss_fns"].append(op.payload.loss_fn)
                 batch["all_loss_fn_configs"].append(op.payload.loss_fn_config)

@@ -25,10 +25,11 @@ class RequestTooLarge(UserError):
 @dataclass
 class Datum:
     input_ids: list[int]
-    targets: list[int]
-    weights: list[float]
+    targets: list[int] | list[list[int]]  # [n], or [n, K] (K targets per position)
+    weights: list[float] | list[list[float]]  # same shape as targets, or [] (zeros)
     logprobs: list[float]
     advantages: list[float]
+    ratio_mask: list[float] = field(default_factory=list)  # sequence_ratio_mask; [] = zeros
 
 
 @dataclass

@@ -16,9 +16,13 @@ LogitsFn = Callable[[jax.Array, jax.Array | None], jax.Array]  # (h [b, t, d], a
 
 
 def logprobs_from_logits(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
+    """log p(target) with `targets` shaped [b, t] or [b, t, K] (K targets per position: one logsumexp
+    per position, then a gather of K values)."""
     logits_btv = logits_btv.astype(jnp.float32)
-    target_logit_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return target_logit_bt - jax.nn.logsumexp(logits_btv, axis=-1)
+    lse_bt = jax.nn.logsumexp(logits_btv, axis=-1)
+    if targets_bt.ndim == logits_btv.ndim - 1:
+        return jnp.take_along_axis(logits_btv, targets_bt[..., None].astype(jnp.int32), axis=-1)[..., 0] - lse_bt
+    return jnp.take_along_axis(logits_btv, targets_bt.astype(jnp.int32), axis=-1) - lse_bt[..., None]
 
 
 def chunked_target_logprobs(
@@ -28,7 +32,8 @@ def chunked_target_logprobs(
     adapter_b: jax.Array | None,
     chunk_size: int,
 ) -> jax.Array:
-    """log p(targets[b, t] | hidden[b, t]) for every token, float32 [b, t]."""
+    """log p(targets[b, t] | hidden[b, t]) for every token, float32 [b, t] (or [b, t, K] for targets
+    [b, t, K])."""
     return chunked_logprob_stats(logits_fn, hidden_btd, targets_bt, adapter_b, chunk_size)[0]
 
 
@@ -49,7 +54,9 @@ def chunked_logprob_stats(
     pad = -t % chunk
     chunks = (t + pad) // chunk
     h_cbkd = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0))).reshape(b, chunks, chunk, d).swapaxes(0, 1)
-    t_cbk = jnp.pad(targets_bt, ((0, 0), (0, pad))).reshape(b, chunks, chunk).swapaxes(0, 1)
+    extra = targets_bt.shape[2:]  # K target columns, if any
+    t_cbk = jnp.pad(targets_bt, ((0, 0), (0, pad)) + ((0, 0),) * len(extra)).reshape(
+        b, chunks, chunk, *extra).swapaxes(0, 1)
 
     @jax.checkpoint
     def one_chunk(args):
