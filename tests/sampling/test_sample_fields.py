@@ -7,7 +7,8 @@ fail their own request only."""
 import numpy as np
 import pytest
 import torch
-from peft import LoraConfig as PeftLoraConfig, get_peft_model
+from peft import LoraConfig as PeftLoraConfig
+from peft import get_peft_model
 from transformers import AutoModelForCausalLM
 
 import tx
@@ -202,22 +203,23 @@ def test_bad_fields_fail_their_request_only(models, options, want_lp, message):
     assert isinstance(out["good"], types.SampleOutput) and len(out["good"].sequences[0].topk_logprobs) == 2
 
 
-LAYOUTS = [
-    (dict(shape=(2, 2), ids=[1, 2, 3]), "has 3 values; dense shape [2, 2] needs 4"),
-    (dict(shape=(2, 2), ids=[1, 2], crow=[0, 1, 2]), "must be sent together"),
-    (dict(shape=(2, 2), ids=[1, 2], crow=[0, 2, 1], col=[0, 1]), "sparse_crow_indices must be 3 non-decreasing"),
-    (dict(shape=(2, 2), ids=[1, 2], crow=[0, 1, 2], col=[0, 2]), "sparse_col_indices[1] = 2 is outside [0, 2)"),
-    (dict(shape=(2, 2), ids=[1, 2], crow=[0, 1, 2], col=[0]), "sparse_col_indices has 1 entries for 2 values"),
-    (dict(shape=(2, 2**40), ids=[1], crow=[0, 1, 1], col=[0]), "entries must be in [0, 2147483647]"),
-    (dict(shape=(2, 2), ids=[1, 2, -7, 4]), "target_prompt_logprobs[1, 0] = -7 is outside the vocabulary"),
-    (dict(shape=(2, 2), ids=[1, 2, 10**30, 4]), "data must be a list of 64-bit integers"),
+LAYOUTS = [  # (shape, ids, crow, col), message
+    (((2, 2), [1, 2, 3], None, None), "has 3 values; dense shape [2, 2] needs 4"),
+    (((2, 2), [1, 2], [0, 1, 2], None), "must be sent together"),
+    (((2, 2), [1, 2], [0, 2, 1], [0, 1]), "sparse_crow_indices must be 3 non-decreasing"),
+    (((2, 2), [1, 2], [0, 1, 2], [0, 2]), "sparse_col_indices[1] = 2 is outside [0, 2)"),
+    (((2, 2), [1, 2], [0, 1, 2], [0]), "sparse_col_indices has 1 entries for 2 values"),
+    (((2, 2**40), [1], [0, 1, 1], [0]), "entries must be in [0, 2147483647]"),
+    (((2, 2), [1, 2, -7, 4], None, None), "target_prompt_logprobs[1, 0] = -7 is outside the vocabulary"),
+    (((2, 2), [1, 2, 10**30, 4], None, None), "data must be a list of 64-bit integers"),
 ]
 
 
 @pytest.mark.parametrize("layout,message", LAYOUTS, ids=[m for _, m in LAYOUTS])
 def test_target_layout_checks(layout, message):
     with pytest.raises(ValueError) as e:
-        plan(types.TargetPromptIds(**layout), prompt_len=3, vocab=512, cap=8)
+        shape, ids, crow, col = layout
+        plan(types.TargetPromptIds(shape=shape, ids=ids, crow=crow, col=col), prompt_len=3, vocab=512, cap=8)
     assert message in str(e.value)
     # the same request with a good layout plans: huge sparse width is fine when within the bound
     good = plan(types.TargetPromptIds(shape=(2, 2**30), ids=[5, -1, 9], crow=[0, 2, 3], col=[7, 2**30 - 1, 0]),

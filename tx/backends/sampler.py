@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -167,7 +167,7 @@ class Sampler:
             if checkpoint_path:
                 try:
                     slot = backend._sampler_slot(checkpoint_path, pinned)
-                except Exception as e:  # noqa: BLE001 - fails this request only; the message names the checkpoint
+                except Exception as e:
                     message = str(e.args[0]) if e.args else f"{type(e).__name__}: {e}"
                     if not isinstance(e, (KeyError, ValueError, FileNotFoundError)):
                         message = f"{type(e).__name__}: {message}"

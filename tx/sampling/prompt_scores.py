@@ -60,7 +60,7 @@ def score_prompts(model, inp: PromptScoreInputs, chunk_size: int, top_k: int, al
     """All prompt scores of a batch in one prefill; `top_k`, `alt_k` (and m, the last axis of
     target_ids_btm) are static, 0 = not asked."""
     hidden_btd = model(inp.ids_bt, inp.mask_bt, inp.adapter_b)
-    b, t, d = hidden_btd.shape
+    b, t, _ = hidden_btd.shape
     m = inp.target_ids_btm.shape[-1]
     chunk = max(1, min(chunk_size // b, t))
     pad = -t % chunk

@@ -145,6 +145,7 @@ def validate(
             if topk > cap:
                 raise ValueError(f"topk_prompt_logprobs = {topk} exceeds this server's limit of {cap}")
             request_rows = []
+            targets = None
             for i in range(start, end):
                 prompt = np.asarray(batch.all_prompts[i], np.int64)
                 if prompt.size == 0:
@@ -154,7 +155,8 @@ def validate(
                     raise ValueError(f"prompt[{bad[0]}] = {prompt[bad[0]]} is outside the vocabulary [0, {limits.vocab})")
                 params = batch.all_sampling_params[i]
                 max_tokens = _check_params(params, prompt.size, limits)
-                targets = check_options(options, prompt.size, want_logprobs, limits) if i == start else targets
+                if i == start:  # every row of a request has its prompt
+                    targets = check_options(options, prompt.size, want_logprobs, limits)
                 adapter = adapter_of(batch.all_model_ids[i], batch.all_checkpoint_paths[i])
                 seed = params.seed if params.seed is not None else zlib.crc32(request_id.encode())
                 stop = stop_list(params.stop, limits.eos_ids)
