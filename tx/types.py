@@ -183,6 +183,38 @@ class SamplingParams(_Strict):
     )
 
 
+class TargetPromptIds(_Strict):
+    """A request's `target_prompt_logprobs` (SDK >= 0.32): int64 token ids of shape [len(prompt) - 1, K], cell
+    [i, j] scored at prompt position i + 1; -1 asks for nothing. Dense (`ids` row-major, rows * K values) or
+    sparse CSR (`ids` = the listed values, with `crow` [rows + 1] and `col` [len(ids)]), as the SDK's
+    TensorData. Layout checks: tx.sampling.targets."""
+
+    shape: tuple[int, int]
+    ids: list[int]
+    crow: list[int] | None = None
+    col: list[int] | None = None
+
+
+class TargetPromptLogprobs(_Strict):
+    """The answer to TargetPromptIds: float32 log-probs in the request's shape and layout (the same `crow` /
+    `col` when sparse), 0.0 where the request had -1 (SDK 0.38 SampleResponse.target_prompt_logprobs)."""
+
+    shape: tuple[int, int]
+    logprobs: list[float]
+    crow: list[int] | None = None
+    col: list[int] | None = None
+
+
+class SampleOptions(_Strict):
+    """Per-request fields of SDK >= 0.32 (tinker 0.38 types/sample_request.py); defaults = not asked."""
+
+    topk_sample_logprobs: int = Field(0, description="top-k (id, log-prob) pairs at every generated token")
+    prompt_alt_tokens_k: int = Field(0, description="draws at the request's temperature at every prompt position > 0")
+    prompt_logprobs_last_n: int | None = Field(None, description="score only the last N prompt tokens "
+                                               "(prompt_logprobs and topk_prompt_logprobs)")
+    target_prompt_logprobs: TargetPromptIds | None = None
+
+
 class PreparedSampleBatch(_Strict):
     all_prompts: list[list[int]]
     all_sampling_params: list[SamplingParams]
@@ -192,15 +224,25 @@ class PreparedSampleBatch(_Strict):
     request_batch_slices: list[tuple[str, str, int, int, bool, int]] = Field(
         description="(request_id, model_id, start, end, prompt_logprobs, topk_prompt_logprobs)"
     )
+    request_options: list[SampleOptions] = Field(
+        default_factory=list, description="per request, aligned with request_batch_slices ([] = all defaults)"
+    )
 
 
 class GeneratedSequence(_Strict):
     tokens: list[int]
     logprobs: list[float]
     stop_reason: Literal["stop", "length"]
+    topk_logprobs: list[list[tuple[int, float]]] | None = Field(
+        None, description="topk_sample_logprobs: per generated token, the k most likely (id, log-prob) pairs"
+    )
 
 
 class SampleOutput(_Strict):
     sequences: list[GeneratedSequence]
     prompt_logprobs: list[float | None] | None = None
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    target_prompt_logprobs: TargetPromptLogprobs | None = None
+    prompt_alt_tokens: list[list[tuple[int, float]]] | None = Field(
+        None, description="prompt_alt_tokens_k: per prompt position 1..n-1, k (id, log-prob) draws"
+    )

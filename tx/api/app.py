@@ -22,6 +22,7 @@ from tx.api import bodies, schemas, stability, wire
 from tx.api.common import ApiError, Tenant, found, owned, page, str_metadata, tenant
 from tx.api.config import TINKER_LORA_ALPHA, ApiConfig, ServedModel  # noqa: F401 - ApiConfig re-exported
 from tx.api.runs import add_run_routes
+from tx.api.sampling_routes import add_sampling_routes
 from tx.engine import paths
 from tx.engine.engine import Engine
 from tx.engine.ops import (
@@ -29,7 +30,6 @@ from tx.engine.ops import (
     CreateRequest,
     LoadRequest,
     RequestTooLarge,
-    SampleRequest,
     SaveRequest,
     UserError,
 )
@@ -352,78 +352,6 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
                               owner=who.id)
         return {"request_id": request_id, "model_id": body.model_id}
 
-    # ---- sampling ----
-
-    @app.post("/api/v1/create_sampling_session")
-    async def create_sampling_session(request: Request):
-        body = await parse(request, schemas.CreateSamplingSession)
-        who = tenant(request)
-        await active_session(body.session_id, who)
-        if body.model_path is None and body.base_model is None:
-            raise ApiError(400, "create_sampling_session needs model_path or base_model")
-        check_base_model(body.base_model)
-        location = None
-        if body.model_path is not None:
-            location = await io(checkpoint_location, body.model_path, "sampler_weights", who, "model_path")
-        sid = paths.sampling_session_id_of(body.session_id, body.sampling_session_seq_id)
-        await io(store.add_sampling_session, sid, body.session_id, served.model_name, body.model_path, location)
-        return {"sampling_session_id": sid, "type": "create_sampling_session"}
-
-    @app.get("/api/v1/samplers/{sampling_session_id}")
-    async def get_sampler(sampling_session_id: str, request: Request):
-        row = owned(await io(store.sampling_session, sampling_session_id), tenant(request),
-                    f"sampler {sampling_session_id!r}")
-        return {"sampler_id": sampling_session_id, "base_model": row["base_model"], "model_path": row["model_path"]}
-
-    @app.post("/api/v1/asample")
-    async def asample(request: Request):
-        body = await parse(request, schemas.Sample)
-        who = tenant(request)
-        if body.sampling_session_id is not None:
-            row = owned(await io(store.sampling_session, body.sampling_session_id), who,
-                        f"sampling_session_id {body.sampling_session_id!r}")
-            location = row["location"] or ""
-            if row["model_path"] is not None:  # its checkpoint may have been deleted since: refuse, do not serve
-                location = await io(checkpoint_location, row["model_path"], "sampler_weights", who,
-                                    f"sampling session {body.sampling_session_id}'s model_path")
-        elif body.model_path is not None:
-            location = await io(checkpoint_location, body.model_path, "sampler_weights", who, "model_path")
-        else:
-            check_base_model(body.base_model)
-            location = ""
-        for field in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
-            if getattr(body, field):
-                raise ApiError(400, f"{field} = {getattr(body, field)} is not supported by this server")
-        if body.target_prompt_logprobs is not None:
-            raise ApiError(400, "target_prompt_logprobs is not supported by this server")
-        if body.num_samples > served.max_num_samples:
-            raise ApiError(400, f"num_samples {body.num_samples} exceeds this server's limit {served.max_num_samples}")
-        prompt: list[int] = []
-        for i, chunk in enumerate(body.prompt.chunks):
-            if chunk.type != "encoded_text" or chunk.tokens is None:
-                raise ApiError(400, f"prompt.chunks[{i}]: {chunk.type} chunks are not supported (text models only)")
-            prompt += chunk.tokens
-        last_n = body.prompt_logprobs_last_n
-        if last_n is not None and not (body.prompt_logprobs and 1 <= last_n <= len(prompt) - 1):
-            raise ApiError(400, f"prompt_logprobs_last_n {last_n} needs prompt_logprobs and 1 <= N <= {len(prompt) - 1}")
-        p = body.sampling_params
-        stop = [p.stop] if isinstance(p.stop, str) else p.stop
-        params = types.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k,
-                                      top_p=p.top_p, seed=p.seed, stop=stop)
-        sample = SampleRequest(prompt, params, body.num_samples, body.prompt_logprobs, body.topk_prompt_logprobs,
-                               last_n, location)
-        key = None
-        if body.sampling_session_id is not None and body.seq_id is not None:
-            key = f"sample:{body.sampling_session_id}:{body.seq_id}"
-            if (known := await io(store.future_by_key, key)) is not None:  # a resend: same future, no 429
-                return {"request_id": known, "sample_sequence_ids": [f"{known}:{i}" for i in range(body.num_samples)]}
-        queued = await io(engine.queued_samples)
-        if queued and queued + body.num_samples > engine.config.max_queued_samples:
-            raise ApiError(429, f"{queued} sequences are queued (limit {engine.config.max_queued_samples}); retry later")
-        request_id = await io(engine.submit, "sample", sample, key, None, None, None, body.num_samples,
-                              owner=who.id)
-        return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(body.num_samples)]}
-
     # ---- futures ----
 
     @app.post("/api/v1/retrieve_future")
@@ -453,6 +381,7 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
         return Response(row.result, media_type=row.content_type)
 
     add_run_routes(app, store, engine, parse)
+    add_sampling_routes(app, engine, store, served, parse, active_session, check_base_model, checkpoint_location)
 
     return app
 

@@ -32,3 +32,7 @@ class ServedModel(BaseModel):
     max_context_length: int
     max_lora_rank: int
     max_num_samples: int
+    # sampling limits checked at submit (400 naming the field); 0 = unknown here, the backend checks them
+    vocab_size: int = 0
+    max_topk_logprobs: int = 0
+    max_target_prompt_logprobs: int = 0

@@ -148,6 +148,16 @@ class ModelInput(_Body):
     chunks: list[Chunk]
 
 
+class TensorBody(_Body):
+    """The SDK's JSON TensorData (types/_pydantic_types/tensor_data.py): flat data, optional CSR indices."""
+
+    data: list[int] | list[float]
+    dtype: str
+    shape: list[int] | None = None
+    sparse_crow_indices: list[int] | None = None
+    sparse_col_indices: list[int] | None = None
+
+
 class Sample(_Body):
     num_samples: int = Field(1, ge=1)
     prompt: ModelInput
@@ -161,7 +171,7 @@ class Sample(_Body):
     topk_sample_logprobs: int = Field(0, ge=0)
     prompt_alt_tokens_k: int = Field(0, ge=0)
     prompt_logprobs_last_n: int | None = None
-    target_prompt_logprobs: dict[str, Any] | None = None
+    target_prompt_logprobs: TensorBody | None = None
 
 
 class RetrieveFuture(_Body):

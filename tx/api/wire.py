@@ -189,13 +189,36 @@ def _topk(rows: list[list[tuple[int, float]] | None], k: int) -> pb.TopkLogprobs
     return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(), k=k, length=len(rows))
 
 
+def _dense(array: np.ndarray, dtype: int) -> pb.Tensor:
+    return pb.Tensor(dense=array.tobytes(), dtype=dtype, shape=list(array.shape))
+
+
+def _target_logprobs(t: types.TargetPromptLogprobs) -> pb.Tensor:
+    """float32, in the request's layout: dense, or CSR with its crow / col (the SDK decodes either)."""
+    values = np.asarray(t.logprobs, np.float32)
+    if t.crow is None:
+        return _dense(values.reshape(t.shape), pb.DTYPE_FLOAT32)
+    csr = pb.SparseCsr(values=values.tobytes(), crow_indices=np.asarray(t.crow, np.int64).tobytes(),
+                       col_indices=np.asarray(t.col, np.int64).tobytes())
+    return pb.Tensor(sparse_csr=csr, dtype=pb.DTYPE_FLOAT32, shape=list(t.shape))
+
+
 def encode_sample(out: types.SampleOutput) -> tuple[str, bytes]:
     msg = pb.SampleResponse()
     for seq in out.sequences:
-        msg.sequences.add(
+        entry = msg.sequences.add(
             stop_reason=pb.STOP_REASON_STOP if seq.stop_reason == "stop" else pb.STOP_REASON_LENGTH,
             tokens=np.asarray(seq.tokens, np.int32).tobytes(),
             logprobs=np.asarray(seq.logprobs, np.float32).tobytes())
+        if seq.topk_logprobs is not None:
+            entry.topk_sampled_logprobs.CopyFrom(_topk(seq.topk_logprobs, max(map(len, seq.topk_logprobs), default=0)))
+    if out.target_prompt_logprobs is not None:
+        msg.target_prompt_logprobs.CopyFrom(_target_logprobs(out.target_prompt_logprobs))
+    if out.prompt_alt_tokens is not None:  # [len(prompt) - 1, k] pairs -> int64 ids and float32 log-probs
+        pairs = np.asarray(out.prompt_alt_tokens, np.float64).reshape(len(out.prompt_alt_tokens), -1, 2)
+        msg.prompt_alt_tokens.CopyFrom(pb.PromptAltTokens(
+            tokens=_dense(pairs[..., 0].astype(np.int64), pb.DTYPE_INT64),
+            logprobs=_dense(pairs[..., 1].astype(np.float32), pb.DTYPE_FLOAT32)))
     if out.prompt_logprobs is not None:
         lp = np.asarray([np.nan if v is None else v for v in out.prompt_logprobs], np.float32)
         msg.prompt_logprobs = lp.tobytes()

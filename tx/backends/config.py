@@ -36,7 +36,10 @@ class JaxBackendConfig(BaseModel):
         "capped by the room left in the context; 0 = all of that room (each row's KV cache then spans the "
         "whole context)"
     )
-    max_topk_prompt_logprobs: int = Field(20, ge=0, description="largest topk_prompt_logprobs a request may ask for")
+    max_topk_prompt_logprobs: int = Field(20, ge=0, description="largest topk_prompt_logprobs a request may ask for "
+                                          "(also bounds topk_sample_logprobs and prompt_alt_tokens_k)")
+    max_target_prompt_logprobs: int = Field(64, ge=1, description="most token ids target_prompt_logprobs may name "
+                                            "at one prompt position")
     max_snapshots_per_model: int = Field(
         4, ge=1, description="in-memory sampler snapshots (save_weights_and_get_sampling_client) kept per "
         "model; the oldest is evicted beyond this"

@@ -10,21 +10,22 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
 from tx import types
 from tx.backends.batching import bucket_length, bucket_rows
-from tx.models.logprobs import chunked_logprob_stats
 from tx.models.sharding import batch_spec, put_global, to_host
-from tx.sampling.decode import DecodeInputs, generate
-from tx.sampling.requests import SampleLimits, SampleRow, truncate_at_stop_string, validate
+from tx.sampling.decode import DecodeInputs, DecodeOutputs, generate
+from tx.sampling.outputs import prompt_output, sequence_of
+from tx.sampling.prompt_scores import PromptScoreInputs, PromptScores, score_prompts
+from tx.sampling.requests import SampleLimits, SampleRow, validate
 
 if TYPE_CHECKING:
     from tx.backends.jax import JaxBackend
@@ -84,7 +85,7 @@ class Sampler:
         cap = self.backend.config.sample_max_num_sequences or max(1, len(order))
         return [order[i : i + cap] for i in range(0, len(order), cap)]
 
-    def _decode_chunk(self, rows: list[SampleRow]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def _decode_chunk(self, rows: list[SampleRow]) -> DecodeOutputs:
         fsdp = self.backend.mesh.shape["fsdp"]
         cap = self.backend.config.sample_max_num_sequences
         b = bucket_rows(len(rows), fsdp)
@@ -93,6 +94,8 @@ class Sampler:
         p = bucket_length(max(len(r.prompt) for r in rows))
         max_new = bucket_length(max(r.max_tokens for r in rows))
         s = _pow2(max(len(r.stop_tokens) for r in rows), 4)
+        want_topk = max(r.options.topk_sample_logprobs for r in rows)
+        topk = _pow2(want_topk, 1) if want_topk else 0
         arrays = {
             "prompt_bt": np.zeros((b, p), np.int32),
             "prompt_len_b": np.ones(b, np.int32),
@@ -114,40 +117,36 @@ class Sampler:
             arrays["top_p_b"][i] = row.top_p
             arrays["seed_b"][i] = row.seed
             arrays["stop_bs"][i, : len(row.stop_tokens)] = row.stop_tokens
-        fn = self._jit(("sample", b, p, max_new, s), generate, ("max_new",))
-        out = self.backend._run("sample", fn, self.backend.model, DecodeInputs(**self._put(arrays)), max_new=max_new)
-        return tuple(to_host(x) for x in out)  # type: ignore[return-value]
+        fn = self._jit(("sample", b, p, max_new, s, topk), generate, ("max_new", "topk"))
+        out = self.backend._run("sample", fn, self.backend.model, DecodeInputs(**self._put(arrays)), max_new=max_new,
+                                topk=topk)
+        return DecodeOutputs(*(None if x is None else to_host(x) for x in out))
 
-    # ---- prompt log-probs ----
+    # ---- prompt scores (prompt_logprobs, topk_prompt_logprobs, target_prompt_logprobs, prompt_alt_tokens) ----
 
-    def _score_prompts(self, prompts: list[tuple[np.ndarray, int]], top_k: int):
-        """Per prompt: log-prob of each next prompt token [n - 1], and top-k (ids, log-probs) [n - 1, k]."""
+    def _score_prompts(self, rows: list[SampleRow], top_k: int) -> PromptScores:
+        """Scores of each row's prompt (row i of the result = rows[i]), on the host; top-k width `top_k`."""
         fsdp = self.backend.mesh.shape["fsdp"]
-        b, p = bucket_rows(len(prompts), fsdp), bucket_length(max(len(x) for x, _ in prompts))
+        b, p = bucket_rows(len(rows), fsdp), bucket_length(max(len(r.prompt) for r in rows))
         k = _pow2(top_k, 1) if top_k else 0
-        ids = np.zeros((b, p), np.int32)
-        mask = np.zeros((b, p), np.int32)
-        adapters = np.zeros(b, np.int32)
-        for i, (prompt, adapter) in enumerate(prompts):
-            ids[i, : len(prompt)], mask[i, : len(prompt)], adapters[i] = prompt, 1, adapter
+        want_alt = max(r.options.prompt_alt_tokens_k for r in rows)
+        alt = _pow2(want_alt, 1) if want_alt else 0
+        want_m = max((r.targets.width for r in rows if r.targets is not None), default=0)
+        m = _pow2(want_m, 1) if want_m else 0
+        arrays = {"ids_bt": np.zeros((b, p), np.int32), "mask_bt": np.zeros((b, p), np.int32),
+                  "adapter_b": np.zeros(b, np.int32), "target_ids_btm": np.full((b, p, m), -1, np.int32),
+                  "temperature_b": np.zeros(b, np.float32), "seed_b": np.zeros(b, np.uint32)}
+        for i, row in enumerate(rows):
+            n = len(row.prompt)
+            arrays["ids_bt"][i, :n], arrays["mask_bt"][i, :n], arrays["adapter_b"][i] = row.prompt, 1, row.adapter
+            arrays["temperature_b"][i], arrays["seed_b"][i] = row.temperature, row.seed
+            if row.targets is not None:
+                arrays["target_ids_btm"][i, : n - 1, : row.targets.width] = row.targets.device_ids(n - 1)
         chunk = self.backend.config.loss_chunk_size
-
-        def score(model, ids_bt, mask_bt, adapter_b, k):
-            hidden = model(ids_bt, mask_bt, adapter_b)
-            return chunked_logprob_stats(model.logits, hidden, jnp.roll(ids_bt, -1, axis=1), adapter_b, chunk, k)
-
-        fn = self._jit(("score_prompts", b, p, k), score, ("k",))
-        arrays = self._put({"ids": ids, "mask": mask, "adapters": adapters})
-        target, top_ids, top_lp = self.backend._run(
-            "score_prompts", fn, self.backend.model, arrays["ids"], arrays["mask"], arrays["adapters"], k=k)
-        target = to_host(target)
-        top_ids = None if top_ids is None else to_host(top_ids)[..., :top_k]
-        top_lp = None if top_lp is None else to_host(top_lp)[..., :top_k]
-        out = []
-        for i, (prompt, _) in enumerate(prompts):
-            n = len(prompt) - 1
-            out.append((target[i, :n], None if top_ids is None else top_ids[i, :n], None if top_lp is None else top_lp[i, :n]))
-        return out
+        fn = self._jit(("score_prompts", b, p, k, m, alt), score_prompts, ("chunk_size", "top_k", "alt_k"))
+        out = self.backend._run("score_prompts", fn, self.backend.model, PromptScoreInputs(**self._put(arrays)),
+                                chunk_size=chunk, top_k=k, alt_k=alt)
+        return PromptScores(*(None if x is None else to_host(x) for x in out))
 
     # ---- the call ----
 
@@ -160,6 +159,7 @@ class Sampler:
             eos_ids=self.eos_ids,
             default_max_tokens=backend.config.default_max_tokens,
             max_topk_prompt_logprobs=backend.config.max_topk_prompt_logprobs,
+            max_target_prompt_logprobs=backend.config.max_target_prompt_logprobs,
         )
         pinned: set[int] = set()  # sampler-checkpoint slots this batch uses: not to be evicted mid-batch
 
@@ -167,7 +167,7 @@ class Sampler:
             if checkpoint_path:
                 try:
                     slot = backend._sampler_slot(checkpoint_path, pinned)
-                except Exception as e:  # noqa: BLE001 - fails this request only; the message names the checkpoint
+                except Exception as e:
                     message = str(e.args[0]) if e.args else f"{type(e).__name__}: {e}"
                     if not isinstance(e, (KeyError, ValueError, FileNotFoundError)):
                         message = f"{type(e).__name__}: {message}"
@@ -184,36 +184,23 @@ class Sampler:
         }
         sequences: list[types.GeneratedSequence | None] = [None] * len(rows)
         for idx in self._chunk_rows(rows):
-            chunk = [rows[i] for i in idx]
-            tokens, logprobs, lengths, stopped = self._decode_chunk(chunk)
+            out = self._decode_chunk([rows[i] for i in idx])
             for j, i in enumerate(idx):
-                n = int(lengths[j])
-                toks, lps = tokens[j, :n].tolist(), logprobs[j, :n].tolist()
-                reason = "stop" if stopped[j] else "length"
-                cut = truncate_at_stop_string(toks, rows[i].stop_strings, self.decode_text)
-                if cut is not None:
-                    toks, lps, reason = toks[:cut], lps[:cut], "stop"
-                sequences[i] = types.GeneratedSequence(tokens=toks, logprobs=lps, stop_reason=reason)
+                sequences[i] = sequence_of(out, j, rows[i], self.decode_text)
         by_request: dict[int, list[int]] = {}
         for i, row in enumerate(rows):
             by_request.setdefault(row.request_index, []).append(i)
-        scored = [r for r in by_request if batch.request_batch_slices[r][4] or batch.request_batch_slices[r][5]]
-        scores = {}
-        if scored:
-            top_k = max(batch.request_batch_slices[r][5] for r in scored)
-            prompts = [(rows[by_request[r][0]].prompt, rows[by_request[r][0]].adapter) for r in scored]
-            scores = dict(zip(scored, self._score_prompts(prompts, top_k)))
+        slices = batch.request_batch_slices
+        scored = [r for r, members in by_request.items()
+                  if slices[r][4] or slices[r][5] or rows[members[0]].targets is not None
+                  or rows[members[0]].options.prompt_alt_tokens_k]
+        scores, score_row = None, {r: i for i, r in enumerate(scored)}
+        if scored:  # one prefill per scored request (its first row: every row of a request has its prompt)
+            scores = self._score_prompts([rows[by_request[r][0]] for r in scored], max(slices[r][5] for r in scored))
         for r, members in by_request.items():
-            request_id, _, _, _, want_logprobs, want_topk = batch.request_batch_slices[r]
+            request_id, _, _, _, want_logprobs, want_topk = slices[r]
             output = types.SampleOutput(sequences=[sequences[i] for i in members])
-            if r in scores:
-                target, top_ids, top_lp = scores[r]
-                if want_logprobs:
-                    output.prompt_logprobs = [None] + [float(x) for x in target]
-                if want_topk:
-                    output.topk_prompt_logprobs = [None] + [
-                        [(int(t), float(v)) for t, v in zip(top_ids[pos, :want_topk], top_lp[pos, :want_topk])]
-                        for pos in range(len(target))
-                    ]
+            if r in score_row:
+                output = prompt_output(output, scores, score_row[r], rows[members[0]], want_logprobs, want_topk)
             results[request_id] = output
         return results

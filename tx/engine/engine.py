@@ -358,7 +358,7 @@ class Engine:
     # ---- sampling ----
 
     def _run_samples(self, ops: list[Op]) -> None:
-        prompts, params, model_ids, locations, slices = [], [], [], [], []
+        prompts, params, model_ids, locations, slices, options = [], [], [], [], [], []
         for op in ops:
             r = op.payload
             start = len(prompts)
@@ -368,13 +368,14 @@ class Engine:
                 model_ids.append("")
                 locations.append(r.location)
             slices.append((op.request_id, "", start, len(prompts), r.prompt_logprobs, r.topk_prompt_logprobs))
+            options.append(r.options)
         self.count("sample_calls")
         if len({op.payload.location for op in ops}) > 1:
             self.count("multi_adapter_sample_calls")
         results = self._batch_call("sample", ops, lambda: self.backend.sample(types.PreparedSampleBatch(
             all_prompts=prompts, all_sampling_params=params, all_model_ids=model_ids, all_checkpoint_ids=locations,
-            all_checkpoint_paths=locations, request_batch_slices=slices)),
-                                   lambda op, out: self.encode_sample(_last_n(out, op.payload.prompt_logprobs_last_n)),
+            all_checkpoint_paths=locations, request_batch_slices=slices, request_options=options)),
+                                   lambda op, out: self.encode_sample(out),
                                    sequences=len(prompts))
         if results is not None:
             self._finish(results)
@@ -422,14 +423,6 @@ class Engine:
             storage.remove(storage.as_path(where))
         except OSError as e:
             logger.warning("could not delete checkpoint files %s: %s", where, e)
-
-
-def _last_n(out: types.SampleOutput, last_n: int | None) -> types.SampleOutput:
-    """Prompt log-probs of only the last `last_n` positions (the rest NaN on the wire), as asked."""
-    if last_n is not None and out.prompt_logprobs is not None:
-        cut = len(out.prompt_logprobs) - last_n
-        out.prompt_logprobs = [None] * cut + out.prompt_logprobs[cut:]
-    return out
 
 
 def _size_of(where: str) -> int | None:

@@ -71,8 +71,8 @@ class SampleRequest:
     num_samples: int
     prompt_logprobs: bool
     topk_prompt_logprobs: int
-    prompt_logprobs_last_n: int | None
     location: str  # sampler checkpoint to sample from; "" = the base model
+    options: types.SampleOptions = field(default_factory=types.SampleOptions)  # SDK >= 0.32 fields
 
 
 @dataclass

@@ -7,6 +7,11 @@ changing them never recompiles. The loop exits as soon as every row has stopped.
 Returned log-probs are float32 `log_softmax` of the model's unscaled distribution (temperature 1, no
 top-k / top-p filtering) at each step, i.e. exactly what `forward` gives for the same tokens; this is
 the denominator RL importance ratios need.
+
+`topk_sample_logprobs` (SDK >= 0.32: "the top-k logprobs for each sampled token", SampledSequence.topk_logprobs
+up to k (id, log-prob) pairs per generated position) come from that same unscaled distribution, so the
+sampled token's own log-prob and its top-k row agree; `lax.top_k` reads the [b, vocab] log-softmax the step
+already holds, adding only [b, k] per step.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ class DecodeOutputs(NamedTuple):
     logprobs_bn: jax.Array  # float32 [b, max_new]
     length_b: jax.Array  # int32 [b]: tokens generated, stop token included
     stopped_b: jax.Array  # bool [b]: ended on a stop token (else: length)
+    top_ids_bnk: jax.Array | None  # int32 [b, max_new, k] with topk > 0
+    top_logprobs_bnk: jax.Array | None  # float32 [b, max_new, k]
 
 
 def last_token_logits(model, hidden_btd: jax.Array, length_b: jax.Array, adapter_b: jax.Array) -> jax.Array:
@@ -43,8 +50,9 @@ def last_token_logits(model, hidden_btd: jax.Array, length_b: jax.Array, adapter
     return model.logits(last_bd[:, None, :], adapter_b)[:, 0]
 
 
-def generate(model, inp: DecodeInputs, max_new: int) -> DecodeOutputs:
-    """Sample up to `max_new` (static) and each row's `max_tokens` new tokens per row."""
+def generate(model, inp: DecodeInputs, max_new: int, topk: int = 0) -> DecodeOutputs:
+    """Sample up to `max_new` (static) and each row's `max_tokens` new tokens per row; with `topk` (static)
+    > 0, also the top-k (id, log-prob) pairs of every step."""
     b, p = inp.prompt_bt.shape
     mask_bt = jnp.arange(p)[None, :] < inp.prompt_len_b[:, None]
     hidden_btd, kvs = model.prefill(inp.prompt_bt, mask_bt.astype(jnp.int32), inp.adapter_b)
@@ -53,14 +61,18 @@ def generate(model, inp: DecodeInputs, max_new: int) -> DecodeOutputs:
     logits_bv = last_token_logits(model, hidden_btd, inp.prompt_len_b, inp.adapter_b)
 
     def cond(state):
-        step, _, _, _, _, length_b, done_b = state
+        step, done_b = state[0], state[6]
         return (step < max_new) & ~jnp.all(done_b)
 
     def body(state):
-        step, logits_bv, caches, tokens_bn, logprobs_bn, length_b, done_b = state
+        step, logits_bv, caches, tokens_bn, logprobs_bn, length_b, done_b, *top = state
         token_b = select_tokens(logits_bv, row_keys(inp.seed_b, step), inp.temperature_b, inp.top_k_b, inp.top_p_b)
-        logprob_b = jnp.take_along_axis(jax.nn.log_softmax(logits_bv, axis=-1), token_b[:, None], axis=-1)[:, 0]
+        logsoftmax_bv = jax.nn.log_softmax(logits_bv.astype(jnp.float32), axis=-1)
+        logprob_b = jnp.take_along_axis(logsoftmax_bv, token_b[:, None], axis=-1)[:, 0]
         active_b = ~done_b
+        if topk:
+            top_lp_bk, top_ids_bk = jax.lax.top_k(logsoftmax_bv, topk)
+            top = [top[0].at[:, step].set(top_ids_bk.astype(jnp.int32)), top[1].at[:, step].set(top_lp_bk)]
         tokens_bn = tokens_bn.at[:, step].set(jnp.where(active_b, token_b, 0))
         logprobs_bn = logprobs_bn.at[:, step].set(jnp.where(active_b, logprob_b, 0.0))
         length_b = length_b + active_b
@@ -68,7 +80,7 @@ def generate(model, inp: DecodeInputs, max_new: int) -> DecodeOutputs:
         done_b = done_b | (active_b & (hit_stop_b | (length_b >= inp.max_tokens_b)))
         hidden_bd, caches = model.decode_step(token_b, inp.prompt_len_b + step, caches, inp.adapter_b)
         logits_bv = model.logits(hidden_bd[:, None, :], inp.adapter_b)[:, 0]
-        return step + 1, logits_bv, caches, tokens_bn, logprobs_bn, length_b, done_b
+        return step + 1, logits_bv, caches, tokens_bn, logprobs_bn, length_b, done_b, *top
 
     state = (
         jnp.int32(0),
@@ -79,7 +91,9 @@ def generate(model, inp: DecodeInputs, max_new: int) -> DecodeOutputs:
         jnp.zeros(b, jnp.int32),
         inp.max_tokens_b <= 0,
     )
-    _, _, _, tokens_bn, logprobs_bn, length_b, _ = jax.lax.while_loop(cond, body, state)
+    if topk:
+        state += (jnp.zeros((b, max_new, topk), jnp.int32), jnp.zeros((b, max_new, topk), jnp.float32))
+    _, _, _, tokens_bn, logprobs_bn, length_b, _, *top = jax.lax.while_loop(cond, body, state)
     last_b = jnp.take_along_axis(tokens_bn, jnp.maximum(length_b - 1, 0)[:, None], axis=-1)[:, 0]
     stopped_b = (length_b > 0) & jnp.any(inp.stop_bs == last_b[:, None], axis=-1)
-    return DecodeOutputs(tokens_bn, logprobs_bn, length_b, stopped_b)
+    return DecodeOutputs(tokens_bn, logprobs_bn, length_b, stopped_b, *(top or (None, None)))

@@ -6,7 +6,9 @@ request with any bad value gets one error naming the field and value; the others
 Defaults and limits: max_tokens=None means min(default_max_tokens, room left in the context), so a
 request that names no length cannot size every row's KV cache to the whole context; top_k >= vocab keeps
 every token (the same distribution as no top-k), so it is clamped to "off" rather than refused;
-topk_prompt_logprobs is capped by max_topk_prompt_logprobs (and the vocabulary).
+topk_prompt_logprobs is capped by max_topk_prompt_logprobs (and the vocabulary); so are the other top-k
+widths of SDK >= 0.32, topk_sample_logprobs and prompt_alt_tokens_k, which the SDK says the server bounds
+"the way it bounds a top-k width". target_prompt_logprobs: tx.sampling.targets.
 
 Stops: None = the model's EOS tokens; [] = never stop early; a non-empty list = EOS plus those stops
 (as Tinker: stop strings do not switch EOS off).
@@ -20,11 +22,12 @@ from __future__ import annotations
 import logging
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from tx import types
+from tx.sampling.targets import TargetPlan, plan
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +44,8 @@ class SampleRow:
     seed: int
     stop_tokens: list[int]
     stop_strings: list[str]
+    options: types.SampleOptions = field(default_factory=types.SampleOptions)  # the request's SDK >= 0.32 fields
+    targets: TargetPlan | None = None  # the request's target_prompt_logprobs, checked
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class SampleLimits:
     eos_ids: tuple[int, ...]
     default_max_tokens: int = 0  # used when max_tokens is None; 0 = the whole room left in the context
     max_topk_prompt_logprobs: int = 20
+    max_target_prompt_logprobs: int = 64  # ids named at one prompt position
 
 
 def _check_params(p: types.SamplingParams, prompt_len: int, limits: SampleLimits) -> int:
@@ -84,6 +90,29 @@ def _check_params(p: types.SamplingParams, prompt_len: int, limits: SampleLimits
     return max_tokens
 
 
+def check_options(
+    o: types.SampleOptions, prompt_len: int, prompt_logprobs: bool, limits: SampleLimits
+) -> TargetPlan | None:
+    """Validate a request's SDK >= 0.32 fields (bounds from tinker 0.38 SampleRequest / SamplingClient.sample);
+    return its checked target_prompt_logprobs."""
+    cap = min(limits.max_topk_prompt_logprobs, limits.vocab)
+    for name in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
+        value = getattr(o, name)
+        if not 0 <= value <= cap:
+            raise ValueError(f"{name} = {value} must be in [0, {cap}] (this server's top-k limit)")
+    last_n = o.prompt_logprobs_last_n
+    if last_n is not None:
+        if not prompt_logprobs:
+            raise ValueError(f"prompt_logprobs_last_n = {last_n} needs prompt_logprobs")
+        if not 1 <= last_n <= prompt_len - 1:
+            raise ValueError(f"prompt_logprobs_last_n = {last_n} must be in [1, len(prompt) - 1 = {prompt_len - 1}]")
+    if (o.prompt_alt_tokens_k or o.target_prompt_logprobs is not None) and prompt_len < 2:
+        raise ValueError("target_prompt_logprobs and prompt_alt_tokens_k need a prompt of at least 2 tokens")
+    if o.target_prompt_logprobs is None:
+        return None
+    return plan(o.target_prompt_logprobs, prompt_len, limits.vocab, limits.max_target_prompt_logprobs)
+
+
 def effective_top_k(top_k: int, vocab: int) -> int:
     """top_k as the device uses it (int32): k >= vocab keeps every token, i.e. no top-k (-1)."""
     return -1 if top_k >= vocab else top_k
@@ -103,7 +132,8 @@ def validate(
 ) -> tuple[list[SampleRow], dict[int, str]]:
     rows: list[SampleRow] = []
     errors: dict[int, str] = {}
-    for r, (request_id, _, start, end, _, topk) in enumerate(batch.request_batch_slices):
+    for r, (request_id, _, start, end, want_logprobs, topk) in enumerate(batch.request_batch_slices):
+        options = batch.request_options[r] if r < len(batch.request_options) else types.SampleOptions()
         try:
             if not 0 <= start < end <= len(batch.all_prompts):
                 raise ValueError(f"request has no samples (slice [{start}, {end}))")
@@ -115,6 +145,7 @@ def validate(
             if topk > cap:
                 raise ValueError(f"topk_prompt_logprobs = {topk} exceeds this server's limit of {cap}")
             request_rows = []
+            targets = None
             for i in range(start, end):
                 prompt = np.asarray(batch.all_prompts[i], np.int64)
                 if prompt.size == 0:
@@ -124,6 +155,8 @@ def validate(
                     raise ValueError(f"prompt[{bad[0]}] = {prompt[bad[0]]} is outside the vocabulary [0, {limits.vocab})")
                 params = batch.all_sampling_params[i]
                 max_tokens = _check_params(params, prompt.size, limits)
+                if i == start:  # every row of a request has its prompt
+                    targets = check_options(options, prompt.size, want_logprobs, limits)
                 adapter = adapter_of(batch.all_model_ids[i], batch.all_checkpoint_paths[i])
                 seed = params.seed if params.seed is not None else zlib.crc32(request_id.encode())
                 stop = stop_list(params.stop, limits.eos_ids)
@@ -139,6 +172,8 @@ def validate(
                         seed=(seed + i - start) % 2**32,
                         stop_tokens=[s for s in stop if isinstance(s, int)],
                         stop_strings=[s for s in stop if isinstance(s, str)],
+                        options=options,
+                        targets=targets,
                     )
                 )
         except (KeyError, ValueError, FileNotFoundError) as e:
