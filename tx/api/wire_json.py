@@ -54,13 +54,13 @@ class PassInput(_Body):
     loss_fn_config: dict[str, float] | None = None
 
 
-class ForwardBackward(_Body):
+class ForwardBackwardRequest(_Body):
     forward_backward_input: PassInput
     model_id: str
     seq_id: int | None = None
 
 
-class Forward(_Body):
+class ForwardRequest(_Body):
     forward_input: PassInput
     model_id: str
     seq_id: int | None = None
@@ -118,7 +118,7 @@ async def decode_pass(body: bytes, content_type: str, forward_route: bool) -> pb
         msg.forward_only = msg.forward_only or forward_route
         return msg
     if forward_route:
-        req = await bodies.validate(body, Forward)
+        req = await bodies.validate(body, ForwardRequest)
         return await run_in_threadpool(_to_proto, req.forward_input, req.model_id, req.seq_id, True)
-    req = await bodies.validate(body, ForwardBackward)
+    req = await bodies.validate(body, ForwardBackwardRequest)
     return await run_in_threadpool(_to_proto, req.forward_backward_input, req.model_id, req.seq_id, False)
