@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from tx import losses, types
-from tx.api import bodies, schemas, stability, wire
+from tx.api import bodies, schemas, stability, wire, wire_json
 from tx.api.common import ApiError, Tenant, found, owned, page, str_metadata, tenant
 from tx.api.config import TINKER_LORA_ALPHA, ApiConfig, ServedModel  # noqa: F401 - ApiConfig re-exported
 from tx.api.runs import add_run_routes
@@ -142,7 +142,9 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
         # token in its estimate, a request then holds at most max_request_tokens tokens
         limits = {"fwdbwd_max_chunk_len": min(1024, engine.config.max_pass_datums),
                   "fwdbwd_max_chunk_bytes_count": min(5_000_000, 4 * engine.config.max_request_tokens)}
+        # proto_write_fwdbwd / fwd_via_fwdbwd: SDKs 0.22-0.24 send protobuf forward(_backward) bodies only when told
         return {**limits, "pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": config.compress_fwdbwd,
+                "proto_write_fwdbwd": True, "fwd_via_fwdbwd": True,
                 "sample_use_retrieve_futures": False, "custom_loss_server_side": False,
                 "sample_join_sampling_session": False}
 
@@ -245,8 +247,10 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
                 "model_data": {"arch": served.arch, "model_name": served.model_name, "tokenizer_id": served.tokenizer_id}}
 
     @app.post("/api/v1/forward_backward")
+    @app.post("/api/v1/forward")  # SDKs before 0.22 send forward passes here, as JSON
     async def forward_backward(request: Request):
-        msg = await io(wire.decode_forward_backward, await read_body(request))
+        msg = await wire_json.decode_pass(await read_body(request), request.headers.get("content-type", ""),
+                                          request.url.path.endswith("/forward"))
         head = wire.envelope(msg)  # model and seq_id first: a bad datum below still consumes the seq_id
         who = tenant(request)
         await live_model(head.model_id, who)
