@@ -9,7 +9,6 @@ import tinker
 import torch
 from tinker import types as T
 
-from tests.api import sdk_flows
 from tests.api.server_proc import API_KEY, CLIENTS, Server
 
 BOB = "tml-tx-losses-bob"
