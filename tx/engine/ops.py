@@ -41,12 +41,14 @@ class PassRequest:
 @dataclass
 class CreateRequest:
     lora_config: types.LoraConfig
+    base_model: str | None = None  # the served base model's name; None = the server's default
 
 
 @dataclass
 class CreateFromStateRequest:
     location: str  # the training checkpoint to restore
     optimizer: bool
+    base_model: str | None = None  # the base model it was trained on; None = the server's default
 
 
 @dataclass
@@ -72,6 +74,7 @@ class SampleRequest:
     topk_prompt_logprobs: int
     prompt_logprobs_last_n: int | None
     location: str  # sampler checkpoint to sample from; "" = the base model
+    base_model: str | None = None  # which served base model; None = the server's default
 
 
 @dataclass
