@@ -76,7 +76,15 @@ def test_capabilities_list_both_models(server):
 
 def test_teacher_on_second_base_model_scores_with_its_weights(server, reference):
     svc = sdk_flows.service(server.url)
+
+    def sample_calls() -> dict[str, int]:
+        calls = server.get("/api/v1/metrics").json()["backend_calls_by_base_model"]
+        return {name: calls[name].get("sample", 0) for name in (A, B)}
+
+    before = sample_calls()
     teacher = scored(svc.create_sampling_client(base_model=B))
+    after_teacher = sample_calls()
+    assert after_teacher[B] > before[B] and after_teacher[A] == before[A]  # the call ran on B's backend only
     student = scored(svc.create_sampling_client(base_model=A))
     np.testing.assert_allclose(teacher, reference[B], atol=TOL)
     np.testing.assert_allclose(student, reference[A], atol=TOL)
