@@ -240,8 +240,8 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
             raise ApiError(400, f"model_seq_id {body.model_seq_id} of session {body.session_id} is already used")
         await io(store.add_model, model_id, body.session_id, base.model_name, lora_config.model_dump(),
                  body.user_metadata or {}, who.id)
-        request_id = await io(engine.submit, "create_model", CreateRequest(lora_config, base.model_name), key, model_id, 0,
-                              body.session_id, owner=who.id)
+        request_id = await io(engine.submit, "create_model", CreateRequest(lora_config, base_model=base.model_name),
+                              key, model_id, 0, body.session_id, owner=who.id)
         return {"request_id": request_id, "model_id": model_id}
 
     @app.post("/api/v1/get_info")
@@ -355,8 +355,9 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
         await io(store.add_model, model_id, body.session_id, base.model_name,
                  source["lora_config"] if source else {}, body.user_metadata or (source or {}).get("user_metadata") or {},
                  who.id)
-        request_id = await io(engine.submit, "create_from_state", CreateFromStateRequest(location, body.optimizer, base.model_name), key,
-                              model_id, 0, body.session_id, owner=who.id)
+        request = CreateFromStateRequest(location, body.optimizer, base_model=base.model_name)
+        request_id = await io(engine.submit, "create_from_state", request, key, model_id, 0, body.session_id,
+                              owner=who.id)
         return {"request_id": request_id, "model_id": model_id}
 
     @app.post("/api/v1/unload_model")
@@ -432,7 +433,7 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
         params = types.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k,
                                       top_p=p.top_p, seed=p.seed, stop=stop)
         sample = SampleRequest(prompt, params, body.num_samples, body.prompt_logprobs, body.topk_prompt_logprobs,
-                               last_n, location, base.model_name)
+                               last_n, location, base_model=base.model_name)
         key = None
         if body.sampling_session_id is not None and body.seq_id is not None:
             key = f"sample:{body.sampling_session_id}:{body.seq_id}"
