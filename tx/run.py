@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--connect-timeout", type=float, default=300.0, help="seconds to wait for all hosts to connect")
     m = p.add_argument_group("model and backend")
     m.add_argument("--base-model", default="tiny", help="HF directory or hub id; 'tiny' = the built-in tiny model")
+    m.add_argument("--extra-base-model", action="append", default=[],
+                   help="another base model to serve beside --base-model (repeatable): its own adapter slots, "
+                        "on the same devices; requests choose it by base_model")
     m.add_argument("--backend-config", default="{}", help="JaxBackendConfig as JSON (flags below override it)")
     add_config_flags(m, JaxBackendConfig, skip=("coordinator_address", "num_processes"))
     j = p.add_argument_group("job (process 0)")
@@ -118,6 +121,15 @@ def backend_config(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         return JaxBackendConfig.model_validate(values)
     except ValidationError as e:
         parser.error(f"invalid backend config: {e}")
+
+
+def base_models(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    from tx.distributed.models import BaseModels
+
+    try:
+        return BaseModels(base_model=args.base_model, extra_base_models=args.extra_base_model)
+    except ValidationError as e:
+        parser.error(f"invalid base models: {e}")
 
 
 def validate_processes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -210,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     validate_processes(args, parser)
     config = backend_config(args, parser)
+    models = base_models(args, parser)
     service = service_configs(args, parser)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s", force=True)
@@ -221,15 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from tx.distributed.auth import AuthError
-    from tx.distributed.backend import DistributedBackend
     from tx.distributed.control import Coordinator, WorkerFailure
+    from tx.distributed.models import load_backends, model_dir_of
     from tx.distributed.worker import run_worker
 
-    base_model = args.base_model
-    if base_model == "tiny":
-        from tx.score import tiny_model_dir
-
-        base_model = str(tiny_model_dir())
+    base_model = model_dir_of(args.base_model)
     multi = jax.process_count() > 1
     if multi and control is None:
         control = control_channel(args, parser, jax.process_index())
@@ -250,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below: stop the workers
     backend = None
     try:
-        backend = DistributedBackend(base_model, config, coordinator)
+        backends = load_backends(models, config, coordinator)
+        backend = backends[args.base_model]
         if args.job == "smoke":
             smoke_job(backend, args.steps)
         else:
@@ -258,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
 
             service_config, api_config, engine_config = service
             serve(backend, args.base_model, base_model, service_config, engine_config, api_config,
-                  fatal=(WorkerFailure,))
+                  fatal=(WorkerFailure,), extra={n: b for n, b in backends.items() if n != args.base_model})
     except WorkerFailure as e:
         # A host is gone or the hosts disagree: collectives cannot complete (a thread of ours may be blocked
         # in one for good), so stop the workers and exit without waiting. A restart starts from checkpoints.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,6 +23,7 @@ from tx.api.common import ApiError, Tenant, found, owned, page, str_metadata, te
 from tx.api.config import TINKER_LORA_ALPHA, ApiConfig, ServedModel  # noqa: F401 - ApiConfig re-exported
 from tx.api.runs import add_run_routes
 from tx.api.sampling_routes import add_sampling_routes
+from tx.api.served import ServedModels
 from tx.engine import paths
 from tx.engine.engine import Engine
 from tx.engine.ops import (
@@ -38,7 +39,10 @@ from tx.engine.store import Store
 logger = logging.getLogger(__name__)
 
 
-def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedModel) -> FastAPI:
+def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedModel,
+               extra: Sequence[ServedModel] = ()) -> FastAPI:
+    """`served`: the default base model; `extra`: more base models served beside it (chosen by base_model)."""
+    models = ServedModels([served, *extra])
     app = FastAPI(title="tx: Tinker-compatible API", version="0.38")
     io = run_in_threadpool  # store calls block; keep them off the event loop
     api_keys, admin_keys = set(config.api_keys), set(config.admin_api_keys)
@@ -103,9 +107,12 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
             raise ApiError(410, f"session {session_id} is {session['status']}")
         return session
 
-    def check_base_model(name: str | None, field: str = "base_model") -> None:
-        if name is not None and name not in served.aliases:
-            raise ApiError(400, f"{field} {name!r} is not served here; this server serves {served.model_name!r}")
+    check_base_model = models.find  # the served model a request names (None: the default); unknown: 400
+
+    def checkpoint_base(path: str, field: str) -> ServedModel:
+        """The base model the checkpoint at tinker path `path` was trained on (its model's record)."""
+        source = store.model(paths.parse_tinker_path(path, field)[0])
+        return models.trained_on(source["base_model"] if source else None, f"{field} {path!r}")
 
     async def submit_training(model_id: str, seq_id: int, kind: str, build: Callable[[], Any], who: Tenant,
                               size: int = 1, session_id: str | None = None, tokens: int = 0) -> dict:
@@ -196,14 +203,15 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
 
     @app.get("/api/v1/get_server_capabilities")
     async def capabilities():
-        return {"supported_models": [{"model_name": served.model_name, "max_context_length": served.max_context_length,
-                                      "trainable": True, "sampleable": True}]}
+        return {"supported_models": [{"model_name": m.model_name, "max_context_length": m.max_context_length,
+                                      "trainable": True, "sampleable": True} for m in models.all]}
 
     @app.get("/api/v1/metrics")
     async def metrics():
         backend = engine.backend.metrics
         return {"engine": dict(engine.metrics), "backend_compiles": backend.compiles, "backend_calls": backend.calls,
-                "backend_tokens_real": backend.tokens_real, "backend_tokens_padded": backend.tokens_padded}
+                "backend_tokens_real": backend.tokens_real, "backend_tokens_padded": backend.tokens_padded,
+                "backend_calls_by_base_model": {name: b.metrics.calls for name, b in engine.backends.items()}}
 
     # ---- training ----
 
@@ -212,12 +220,12 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
         body = await parse(request, schemas.CreateModel)
         who = tenant(request)
         await active_session(body.session_id, who)
-        check_base_model(body.base_model)
+        base = check_base_model(body.base_model)
         if body.optimizer_config.type != "adamw":
             raise ApiError(400, f"optimizer_config.type {body.optimizer_config.type!r} is not supported (adamw only)")
         lora = body.lora_config
-        if lora.rank > served.max_lora_rank:
-            raise ApiError(400, f"lora_config.rank {lora.rank} exceeds this server's max_lora_rank {served.max_lora_rank}")
+        if lora.rank > base.max_lora_rank:
+            raise ApiError(400, f"lora_config.rank {lora.rank} exceeds this server's max_lora_rank {base.max_lora_rank}")
         try:
             lora_config = types.LoraConfig(rank=lora.rank, alpha=TINKER_LORA_ALPHA, seed=lora.seed,
                                            train_attn=lora.train_attn, train_mlp=lora.train_mlp,
@@ -232,19 +240,20 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
             return {"request_id": known, "model_id": model_id}
         if await io(store.model, model_id) is not None:
             raise ApiError(400, f"model_seq_id {body.model_seq_id} of session {body.session_id} is already used")
-        await io(store.add_model, model_id, body.session_id, served.model_name, lora_config.model_dump(),
+        await io(store.add_model, model_id, body.session_id, base.model_name, lora_config.model_dump(),
                  body.user_metadata or {}, who.id)
-        request_id = await io(engine.submit, "create_model", CreateRequest(lora_config), key, model_id, 0,
-                              body.session_id, owner=who.id)
+        request_id = await io(engine.submit, "create_model", CreateRequest(lora_config, base_model=base.model_name),
+                              key, model_id, 0, body.session_id, owner=who.id)
         return {"request_id": request_id, "model_id": model_id}
 
     @app.post("/api/v1/get_info")
     async def get_info(request: Request):
         body = await parse(request, schemas.ModelRef)
         model = owned(await io(store.model, body.model_id), tenant(request), f"model_id {body.model_id!r}")
-        return {"model_id": body.model_id, "model_name": served.model_name, "is_lora": True,
+        base = models.trained_on(model["base_model"], f"model_id {body.model_id!r}")
+        return {"model_id": body.model_id, "model_name": base.model_name, "is_lora": True,
                 "lora_rank": model["lora_config"]["rank"], "optimizer_config": {"type": "adamw"}, "type": "get_info",
-                "model_data": {"arch": served.arch, "model_name": served.model_name, "tokenizer_id": served.tokenizer_id}}
+                "model_data": {"arch": base.arch, "model_name": base.model_name, "tokenizer_id": base.tokenizer_id}}
 
     @app.post("/api/v1/forward_backward")
     @app.post("/api/v1/forward")  # SDKs before 0.22 send forward passes here, as JSON
@@ -324,27 +333,35 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
         if body.model_id is not None:  # legacy in-place load, sequenced like any training op
             if body.seq_id is None:
                 raise ApiError(400, "load_weights with model_id needs seq_id")
-            await live_model(body.model_id, who)
-            return await submit_training(body.model_id, body.seq_id, "load_weights", lambda: LoadRequest(
-                checkpoint_location(body.path, "weights", who), body.optimizer), who)
+            model = await live_model(body.model_id, who)
+
+            def build():
+                location = checkpoint_location(body.path, "weights", who)
+                models.matching(model["base_model"], checkpoint_base(body.path, "path"), f"path {body.path!r}",
+                                f"model {body.model_id}'s base model")
+                return LoadRequest(location, body.optimizer)
+
+            return await submit_training(body.model_id, body.seq_id, "load_weights", build, who)
         if body.session_id is None or body.model_seq_id is None:
             raise ApiError(400, "load_weights needs model_id and seq_id, or session_id and model_seq_id")
         await active_session(body.session_id, who)
-        check_base_model(body.base_model)
+        check_base_model(body.base_model)  # a name this server does not serve is refused before the path is read
         model_id = paths.model_id_of(body.session_id, body.model_seq_id)
         key = f"create:{body.session_id}:{body.model_seq_id}"
         if (known := await io(store.future_by_key, key)) is not None:
             return {"request_id": known, "model_id": model_id}
         source_id = paths.parse_tinker_path(body.path)[0]
         location = await io(checkpoint_location, body.path, "weights", who)
+        base = models.matching(body.base_model, await io(checkpoint_base, body.path, "path"), f"path {body.path!r}")
         source = await io(store.model, source_id)
         if await io(store.model, model_id) is not None:
             raise ApiError(400, f"model_seq_id {body.model_seq_id} of session {body.session_id} is already used")
-        await io(store.add_model, model_id, body.session_id, served.model_name,
+        await io(store.add_model, model_id, body.session_id, base.model_name,
                  source["lora_config"] if source else {}, body.user_metadata or (source or {}).get("user_metadata") or {},
                  who.id)
-        request_id = await io(engine.submit, "create_from_state", CreateFromStateRequest(location, body.optimizer), key,
-                              model_id, 0, body.session_id, owner=who.id)
+        request = CreateFromStateRequest(location, body.optimizer, base_model=base.model_name)
+        request_id = await io(engine.submit, "create_from_state", request, key, model_id, 0, body.session_id,
+                              owner=who.id)
         return {"request_id": request_id, "model_id": model_id}
 
     @app.post("/api/v1/unload_model")
@@ -385,7 +402,7 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
         return Response(row.result, media_type=row.content_type)
 
     add_run_routes(app, store, engine, parse)
-    add_sampling_routes(app, engine, store, served, parse, active_session, check_base_model, checkpoint_location)
+    add_sampling_routes(app, engine, store, models, parse, active_session, checkpoint_location, checkpoint_base)
 
     return app
 

@@ -23,6 +23,7 @@ from tx import types
 from tx.api import schemas
 from tx.api.common import ApiError, Tenant, owned, tenant
 from tx.api.config import ServedModel
+from tx.api.served import ServedModels
 from tx.engine import paths
 from tx.engine.engine import Engine
 from tx.engine.ops import SampleRequest
@@ -64,11 +65,12 @@ def sample_options(body: schemas.Sample, prompt_len: int, served: ServedModel) -
     return options
 
 
-def add_sampling_routes(app: FastAPI, engine: Engine, store: Store, served: ServedModel,
+def add_sampling_routes(app: FastAPI, engine: Engine, store: Store, models: ServedModels,
                         parse: Callable[[Request, type], Awaitable[Any]],
                         active_session: Callable[[str, Tenant], Awaitable[dict]],
-                        check_base_model: Callable[[str | None], None],
-                        checkpoint_location: Callable[..., str]) -> None:
+                        checkpoint_location: Callable[..., str],
+                        checkpoint_base: Callable[[str, str], ServedModel]) -> None:
+    """Requests run on the base model they name, or the one their checkpoint was trained on (`models`)."""
     io = run_in_threadpool
 
     @app.post("/api/v1/create_sampling_session")
@@ -78,12 +80,14 @@ def add_sampling_routes(app: FastAPI, engine: Engine, store: Store, served: Serv
         await active_session(body.session_id, who)
         if body.model_path is None and body.base_model is None:
             raise ApiError(400, "create_sampling_session needs model_path or base_model")
-        check_base_model(body.base_model)
+        base = models.find(body.base_model)
         location = None
         if body.model_path is not None:
             location = await io(checkpoint_location, body.model_path, "sampler_weights", who, "model_path")
+            base = models.matching(body.base_model, await io(checkpoint_base, body.model_path, "model_path"),
+                                   f"model_path {body.model_path!r}")
         sid = paths.sampling_session_id_of(body.session_id, body.sampling_session_seq_id)
-        await io(store.add_sampling_session, sid, body.session_id, served.model_name, body.model_path, location)
+        await io(store.add_sampling_session, sid, body.session_id, base.model_name, body.model_path, location)
         return {"sampling_session_id": sid, "type": "create_sampling_session"}
 
     @app.get("/api/v1/samplers/{sampling_session_id}")
@@ -100,28 +104,31 @@ def add_sampling_routes(app: FastAPI, engine: Engine, store: Store, served: Serv
             row = owned(await io(store.sampling_session, body.sampling_session_id), who,
                         f"sampling_session_id {body.sampling_session_id!r}")
             location = row["location"] or ""
+            base = models.trained_on(row["base_model"], f"sampling session {body.sampling_session_id}")
             if row["model_path"] is not None:  # its checkpoint may have been deleted since: refuse, do not serve
                 location = await io(checkpoint_location, row["model_path"], "sampler_weights", who,
                                     f"sampling session {body.sampling_session_id}'s model_path")
         elif body.model_path is not None:
             location = await io(checkpoint_location, body.model_path, "sampler_weights", who, "model_path")
+            base = models.matching(body.base_model, await io(checkpoint_base, body.model_path, "model_path"),
+                                   f"model_path {body.model_path!r}")
         else:
-            check_base_model(body.base_model)
+            base = models.find(body.base_model)
             location = ""
-        if body.num_samples > served.max_num_samples:
-            raise ApiError(400, f"num_samples {body.num_samples} exceeds this server's limit {served.max_num_samples}")
+        if body.num_samples > base.max_num_samples:
+            raise ApiError(400, f"num_samples {body.num_samples} exceeds this server's limit {base.max_num_samples}")
         prompt: list[int] = []
         for i, chunk in enumerate(body.prompt.chunks):
             if chunk.type != "encoded_text" or chunk.tokens is None:
                 raise ApiError(400, f"prompt.chunks[{i}]: {chunk.type} chunks are not supported (text models only)")
             prompt += chunk.tokens
-        options = sample_options(body, len(prompt), served)
+        options = sample_options(body, len(prompt), base)
         p = body.sampling_params
         stop = [p.stop] if isinstance(p.stop, str) else p.stop
         params = types.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k,
                                       top_p=p.top_p, seed=p.seed, stop=stop)
         sample = SampleRequest(prompt, params, body.num_samples, body.prompt_logprobs, body.topk_prompt_logprobs,
-                               location, options)
+                               location, options, base_model=base.model_name)
         key = None
         if body.sampling_session_id is not None and body.seq_id is not None:
             key = f"sample:{body.sampling_session_id}:{body.seq_id}"

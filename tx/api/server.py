@@ -51,7 +51,8 @@ def served_model(base_model: str, model_dir: Path, name: str | None, backend) ->
 
 
 def serve(backend, base_model: str, model_dir: str, service: ServiceConfig, engine_config: dict,
-          api: ApiConfig, fatal: tuple[type[BaseException], ...] = ()) -> None:
+          api: ApiConfig, fatal: tuple[type[BaseException], ...] = (), extra: dict | None = None) -> None:
+    """`extra`: more base models served beside `base_model`, name -> backend (requests choose by name)."""
     import uvicorn
 
     if not api.api_keys and not api.admin_api_keys and not api.no_auth:
@@ -63,15 +64,17 @@ def serve(backend, base_model: str, model_dir: str, service: ServiceConfig, engi
     store = Store(database_url(service.data_dir, service.database_url))
     root = service.checkpoint_root or str((service.data_dir / "checkpoints").resolve())
     served = served_model(base_model, resolve_model_dir(model_dir), service.model_name, backend)
+    others = [served_model(name, b.impl.model_dir, None, b) for name, b in (extra or {}).items()]
     engine = Engine(backend, store, EngineConfig(checkpoint_root=root, **engine_config), served.model_name,
-                    wire.encode_pass, wire.encode_sample, fatal=fatal)
-    app = create_app(engine, store, api, served)
+                    wire.encode_pass, wire.encode_sample, fatal=fatal,
+                    extra_backends={s.model_name: b for s, b in zip(others, (extra or {}).values())})
+    app = create_app(engine, store, api, served, others)
     server = uvicorn.Server(uvicorn.Config(app, host=service.host, port=service.port, log_level="warning",
                                            timeout_keep_alive=75, http=timed_protocol(api.read_timeout_s)))
     engine.on_fatal = lambda: setattr(server, "should_exit", True)
     engine.start()
     logger.info(json.dumps({"event": "serving", "url": f"http://{service.host}:{service.port}",
-                            "model": served.model_name, "database": store.url.split("@")[-1],
+                            "model": served.model_name, "extra_models": [s.model_name for s in others], "database": store.url.split("@")[-1],
                             "checkpoints": root, "auth": not api.no_auth}))
     try:
         server.run()

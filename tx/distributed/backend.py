@@ -25,8 +25,11 @@ def method_of(name: str) -> Callable:
 
 class DistributedBackend(AbstractBackend):
     def __init__(self, base_model: str, config: JaxBackendConfig | None = None,
-                 coordinator: Coordinator | None = None, run_id: str | None = None):
+                 coordinator: Coordinator | None = None, run_id: str | None = None, target: str = ""):
+        """`target`: the name workers know this backend by when a server holds several base models
+        ("" for the first); every broadcast call carries it."""
         self.coordinator = coordinator
+        self.target = target
         self.impl: JaxBackend | None = None
         if coordinator is not None:
             for pid, worker in coordinator.workers.items():
@@ -48,7 +51,7 @@ class DistributedBackend(AbstractBackend):
             return self._local(method, kwargs)
         return self.coordinator.call(method, encode_kwargs(method_of(method), kwargs),
                                      run=lambda: self._local(method, kwargs),
-                                     view=lambda: checks.view(method, self.impl, kwargs))
+                                     view=lambda: checks.view(method, self.impl, kwargs), target=self.target)
 
     # ---- broadcast methods ----
 

@@ -192,18 +192,23 @@ class Coordinator:
     # ---- calls ----
 
     def call(self, method: str, kwargs: dict, run: Callable[[], Any],
-             view: Callable[[], dict | None] | None = None) -> Any:
-        """Run `method` on every host: `run` is process 0's part, `view` its view of the call's files."""
-        seq = self.prepare(method, kwargs, view)
+             view: Callable[[], dict | None] | None = None, target: str = "") -> Any:
+        """Run `method` on every host: `run` is process 0's part, `view` its view of the call's files,
+        `target` the backend (base model) it is meant for ("" = the first one)."""
+        seq = self.prepare(method, kwargs, view, target)
         return self.execute(seq, method, run)
 
-    def prepare(self, method: str, kwargs: dict, view: Callable[[], dict | None] | None = None) -> int:
+    def prepare(self, method: str, kwargs: dict, view: Callable[[], dict | None] | None = None,
+                target: str = "") -> int:
         """Steps 1-2: broadcast the call; return its seq once every worker is ready and every host sees
         the same files, else abort everywhere and raise."""
         self.check_alive()
         self._seq += 1
         seq = self._seq
-        self._send_all({"type": "call", "seq": seq, "method": method, "kwargs": kwargs})
+        message = {"type": "call", "seq": seq, "method": method, "kwargs": kwargs}
+        if target:  # calls of the first backend are sent as before
+            message["target"] = target
+        self._send_all(message)
         try:
             local = view() if view is not None else None
         except Exception:

@@ -64,7 +64,7 @@ def run_worker(host: str, port: int, secret: Callable[[], bytes], *, connect_tim
                 return
 
     threading.Thread(target=heartbeat, daemon=True, name="tx-heartbeat").start()
-    backend = None
+    backends = {}  # target (base model name; "" = the first) -> JaxBackend
     status = 1
     try:
         while True:
@@ -77,8 +77,11 @@ def run_worker(host: str, port: int, secret: Callable[[], bytes], *, connect_tim
                 break
             if msg["type"] != "call":
                 continue
-            seq, method = msg["seq"], msg["method"]
+            seq, method, target = msg["seq"], msg["method"], msg.get("target", "")
+            backend = backends.get(target)
             try:
+                if backend is None and method != "__init__":
+                    raise KeyError(f"no backend {target!r} on process {process_id}: it was never created")
                 kwargs = decode_kwargs(method_of(method), msg["kwargs"])
                 if method == "debug_fail" and kwargs.get("phase") == "prepare" and process_id in kwargs["process_ids"]:
                     raise RuntimeError(kwargs["message"])
@@ -102,7 +105,8 @@ def run_worker(host: str, port: int, secret: Callable[[], bytes], *, connect_tim
                 if method == "__init__":
                     from tx.backends.jax import JaxBackend
 
-                    backend = JaxBackend(**kwargs)
+                    backends[target] = JaxBackend(**kwargs)
+                    logger.info("backend %r ready: base model %s", target, kwargs["base_model"])
                 else:
                     getattr(backend, method)(**kwargs)
             except Exception as e:  # noqa: BLE001 - reported; process 0 decides whether the run can go on

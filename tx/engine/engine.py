@@ -42,8 +42,11 @@ class Engine:
     def __init__(self, backend, store: Store, config: EngineConfig, base_model: str,
                  encode_pass: Callable[[types.ForwardBackwardOutput], Encoded],
                  encode_sample: Callable[[types.SampleOutput], Encoded],
-                 fatal: tuple[type[BaseException], ...] = ()):
-        self.backend = backend
+                 fatal: tuple[type[BaseException], ...] = (), extra_backends: dict[str, Any] | None = None):
+        self.backend = backend  # of `base_model`, the default one
+        # Several base models: a backend each, by public name; a model's ops go to the backend it was created on.
+        self.backends = {base_model: backend, **(extra_backends or {})}
+        self._base_of: dict[str, str] = {}  # model_id -> its base model, for models not of the default one
         self.store = store
         self.config = config
         self.base_model = base_model
@@ -216,14 +219,26 @@ class Engine:
             logger.exception("request failed")
         return error_payload(str(e) if user else f"{type(e).__name__}: {e}", "user" if user else "server")
 
+    def _backend_of(self, model_id: str | None):
+        return self.backends[self._base_of.get(model_id, self.base_model)]
+
+    def _by_base(self, ops: list[Op], base_of: Callable[[Op], str | None]) -> list[list[Op]]:
+        """`ops` split by base model (one backend call each), in order of first appearance."""
+        if len(self.backends) == 1:
+            return [ops]
+        groups: dict[str, list[Op]] = {}
+        for op in ops:
+            groups.setdefault(base_of(op) or self.base_model, []).append(op)
+        return list(groups.values())
+
     def _execute(self, round_: Round) -> None:
         for kind, ops in round_.passes.items():
-            if ops:
-                self._run_passes(kind, ops)
+            for group in self._by_base(ops, lambda op: self._base_of.get(op.model_id)) if ops else []:
+                self._run_passes(kind, group)
         for op in round_.singles:
             self._run_single(op)
-        if round_.samples:
-            self._run_samples(round_.samples)
+        for group in self._by_base(round_.samples, lambda op: op.payload.base_model) if round_.samples else []:
+            self._run_samples(group)
 
     def _run_passes(self, kind: str, ops: list[Op]) -> None:
         """One backend call for the passes of every model in the round."""
@@ -249,7 +264,8 @@ class Engine:
         if tenants > 1:
             self.count(f"cross_tenant_{kind}_calls")
         results = self._batch_call(
-            kind, ops, lambda: getattr(self.backend, kind)(types.PreparedModelPassBatch(**batch, request_batch_slices=slices)),
+            kind, ops, lambda: getattr(self._backend_of(ops[0].model_id), kind)(
+                types.PreparedModelPassBatch(**batch, request_batch_slices=slices)),
             lambda _op, out: self.encode_pass(out), tenants=tenants, datums=len(batch["all_input_ids"]))
         if results is not None:
             now = time.time()
@@ -293,30 +309,54 @@ class Engine:
 
     # ---- single ops: each returns (JSON result, [model row updates]) ----
 
+    def _served(self, base: str):
+        if base not in self.backends:
+            raise UserError(f"base_model {base!r} is not served here; served: {', '.join(self.backends)}")
+        return self.backends[base]
+
+    def _created_on(self, op: Op):
+        """The backend of the base model a create op names; the model's later ops are routed there."""
+        base = op.payload.base_model or self.base_model
+        backend = self._served(base)
+        if base != self.base_model:
+            self._base_of[op.model_id] = base
+        return backend
+
     def _do_create_model(self, op: Op):
-        self.backend.create_model(op.model_id, op.payload.lora_config)
+        backend = self._created_on(op)
+        try:
+            backend.create_model(op.model_id, op.payload.lora_config)
+        except BaseException:
+            self._base_of.pop(op.model_id, None)
+            raise
         return {"model_id": op.model_id, "type": "create_model"}, [{"status": "ready"}]
 
     def _do_create_from_state(self, op: Op):
-        meta = self.backend.checkpoint_metadata(op.payload.location)
-        lora_config = types.LoraConfig(**meta["lora_config"])
-        self.backend.create_model(op.model_id, lora_config)
+        backend = self._created_on(op)
         try:
-            self.backend.load_checkpoint(op.payload.location, op.model_id, load_optimizer=op.payload.optimizer)
+            meta = backend.checkpoint_metadata(op.payload.location)
+            lora_config = types.LoraConfig(**meta["lora_config"])
+            backend.create_model(op.model_id, lora_config)
+        except BaseException:
+            self._base_of.pop(op.model_id, None)
+            raise
+        try:
+            backend.load_checkpoint(op.payload.location, op.model_id, load_optimizer=op.payload.optimizer)
         except Exception:
-            self.backend.delete_model(op.model_id)
+            backend.delete_model(op.model_id)
+            self._base_of.pop(op.model_id, None)
             raise
         return ({"model_id": op.model_id, "type": "load_weights"},
                 [{"status": "ready", "lora_config": lora_config.model_dump()}])
 
     def _do_optim_step(self, op: Op):
-        out = self.backend.optim_step(op.model_id, types.OptimStepInput(adam_params=op.payload))
+        out = self._backend_of(op.model_id).optim_step(op.model_id, types.OptimStepInput(adam_params=op.payload))
         return {"metrics": finite_metrics(out.metrics)}, [{}]
 
     def _do_save_weights(self, op: Op):
         request: SaveRequest = op.payload
         where = paths.location(self.config.checkpoint_root, op.model_id, "weights", request.name)
-        self.backend.save_checkpoint(where, op.model_id)
+        self._backend_of(op.model_id).save_checkpoint(where, op.model_id)
         self._record_checkpoint(op.model_id, "weights", request, where)
         return {"path": paths.tinker_path(op.model_id, "weights", request.name), "type": "save_weights"}, [{}]
 
@@ -325,11 +365,12 @@ class Engine:
         if request.name is None:  # an in-memory snapshot served by a new sampling session
             where = paths.location(self.config.checkpoint_root, op.model_id, "sampler_weights",
                                    f"ephemeral-{op.request_id}")
-            self.backend.save_sampler_checkpoint(where, op.model_id, persist=False)
-            self.store.add_sampling_session(request.sampling_session_id, op.session_id, self.base_model, None, where)
+            self._backend_of(op.model_id).save_sampler_checkpoint(where, op.model_id, persist=False)
+            self.store.add_sampling_session(request.sampling_session_id, op.session_id,
+                                            self._base_of.get(op.model_id, self.base_model), None, where)
             return {"sampling_session_id": request.sampling_session_id, "type": "save_weights_for_sampler"}, [{}]
         where = paths.location(self.config.checkpoint_root, op.model_id, "sampler_weights", request.name)
-        self.backend.save_sampler_checkpoint(where, op.model_id, persist=True)
+        self._backend_of(op.model_id).save_sampler_checkpoint(where, op.model_id, persist=True)
         self._record_checkpoint(op.model_id, "sampler_weights", request, where)
         return {"path": paths.tinker_path(op.model_id, "sampler_weights", request.name),
                 "type": "save_weights_for_sampler"}, [{}]
@@ -343,7 +384,7 @@ class Engine:
 
     def _do_load_weights(self, op: Op):
         request: LoadRequest = op.payload
-        self.backend.load_checkpoint(request.location, op.model_id, load_optimizer=request.optimizer)
+        self._backend_of(op.model_id).load_checkpoint(request.location, op.model_id, load_optimizer=request.optimizer)
         return {"model_id": op.model_id, "type": "load_weights"}, [{}]
 
     def _do_unload_model(self, op: Op):
@@ -351,8 +392,10 @@ class Engine:
             dropped = self.scheduler.drop_model(op.model_id)
         self._finish([(d.request_id, "failed", error_payload(f"model {op.model_id} was unloaded", "user"))
                       for d in dropped])
-        if self.backend.has_model(op.model_id):
-            self.backend.delete_model(op.model_id)
+        backend = self._backend_of(op.model_id)
+        if backend.has_model(op.model_id):
+            backend.delete_model(op.model_id)
+        self._base_of.pop(op.model_id, None)
         return {"model_id": op.model_id, "type": "unload_model"}, [{"status": "unloaded"}]
 
     # ---- sampling ----
@@ -372,7 +415,8 @@ class Engine:
         self.count("sample_calls")
         if len({op.payload.location for op in ops}) > 1:
             self.count("multi_adapter_sample_calls")
-        results = self._batch_call("sample", ops, lambda: self.backend.sample(types.PreparedSampleBatch(
+        base = ops[0].payload.base_model or self.base_model
+        results = self._batch_call("sample", ops, lambda: self._served(base).sample(types.PreparedSampleBatch(
             all_prompts=prompts, all_sampling_params=params, all_model_ids=model_ids, all_checkpoint_ids=locations,
             all_checkpoint_paths=locations, request_batch_slices=slices, request_options=options)),
                                    lambda op, out: self.encode_sample(out),
@@ -412,7 +456,8 @@ class Engine:
         with self.cond:
             deleted, self._deleted = self._deleted, []
         for where in deleted:
-            self.backend.evict_sampler_checkpoint(where)
+            for backend in self.backends.values():
+                backend.evict_sampler_checkpoint(where)
 
     def _delete_checkpoint_files(self, where: str) -> None:
         """Remove a checkpoint's files (any thread); the engine thread then evicts it from the backend."""

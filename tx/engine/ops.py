@@ -42,12 +42,14 @@ class PassRequest:
 @dataclass
 class CreateRequest:
     lora_config: types.LoraConfig
+    base_model: str | None = None  # the served base model's name; None = the server's default
 
 
 @dataclass
 class CreateFromStateRequest:
     location: str  # the training checkpoint to restore
     optimizer: bool
+    base_model: str | None = None  # the base model it was trained on; None = the server's default
 
 
 @dataclass
@@ -73,6 +75,7 @@ class SampleRequest:
     topk_prompt_logprobs: int
     location: str  # sampler checkpoint to sample from; "" = the base model
     options: types.SampleOptions = field(default_factory=types.SampleOptions)  # SDK >= 0.32 fields
+    base_model: str | None = None  # which served base model; None = the server's default
 
 
 @dataclass
