@@ -3,8 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tx.kernels.gmm import gmm
 from tx.kernels.lora import (
-    lora_delta_grouped,
     add_lora_head_delta,
     lora_delta_reference,
     lora_delta_rows,
@@ -45,14 +45,16 @@ def test_rows_matches_reference_and_gradients():
     assert not np.any(np.asarray(fast[0])[[2, 4]])
 
 
-def test_grouped_matches_reference_with_empty_groups():
+def test_routed_grouped_delta_matches_reference_with_empty_groups():
+    """Rows sorted by `make_routing`, `(x A_g) B_g` by two grouped matmuls, unsorted: == per-row gathers."""
     rng = np.random.default_rng(1)
     n, i, r, o, g = 40, 8, 3, 6, 10
     group_n = jnp.asarray(rng.choice([0, 2, 3, 7], n))  # groups 1, 4, 5, 6, 8, 9 empty
     x = jnp.asarray(rng.standard_normal((n, i)), jnp.float32)
     a, bb, _ = _weights(rng, g, i, r, o)
     routing = make_routing(group_n, g)
-    got = lora_delta_grouped(x[routing.sort_n], a, bb, routing.group_sizes_g)[routing.unsort_n]
+    h_nr = gmm(x[routing.sort_n], a, routing.group_sizes_g, impl="blocked", min_tile=4)
+    got = gmm(h_nr, bb, routing.group_sizes_g, impl="blocked", min_tile=4)[routing.unsort_n]
     want = lora_delta_reference(x, group_n, a, bb, jnp.ones(n))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(routing.group_sizes_g), np.bincount(np.asarray(group_n), minlength=g))
@@ -112,7 +114,7 @@ def test_head_matches_reference_and_rows(b):
 
 def test_bf16_input_keeps_the_lora_path_in_float32():
     """A bf16 activation meets float32 adapters: the product equals the float32 product of the same
-    (bf16-representable) input, for the row, head and grouped kernels."""
+    (bf16-representable) input, for the row and head kernels."""
     rng = np.random.default_rng(4)
     b, t, i, r, o, g = 4, 6, 32, 8, 40, 3
     x16 = jnp.asarray(rng.standard_normal((b, t, i)), jnp.bfloat16)
@@ -124,10 +126,6 @@ def test_bf16_input_keeps_the_lora_path_in_float32():
         got, want = fn(x16, adapter_b, a, bb, s), fn(x32, adapter_b, a, bb, s)
         assert got.dtype == jnp.float32
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
-    routing = make_routing(jnp.repeat(adapter_b, t), g)
-    x16_n, x32_n = x16.reshape(-1, i)[routing.sort_n], x32.reshape(-1, i)[routing.sort_n]
-    got = lora_delta_grouped(x16_n, a, bb, routing.group_sizes_g)
-    np.testing.assert_allclose(got, lora_delta_grouped(x32_n, a, bb, routing.group_sizes_g), rtol=1e-6, atol=1e-5)
 
 
 def _head_grad_temp_bytes(add_delta) -> int:

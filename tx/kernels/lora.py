@@ -1,4 +1,4 @@
-"""Per-adapter LoRA matmuls, three ways, plus the reference they are tested against.
+"""Per-adapter LoRA matmuls, two ways, plus the routing of grouped (MoE) rows and the reference.
 
 Every LoRA product runs in float32 whatever the model dtype: the input is cast up, the adapters are stored
 in float32, and the rank-r intermediate stays float32 (as PEFT does; it is rank-sized, so cheap).
@@ -11,8 +11,8 @@ in float32, and the rank-r intermediate stays float32 (as PEFT does; it is rank-
   (`[b, R, vocab]`) or a separate delta would cost as much memory as the logits. `x A` is per row; B is
   applied for all slots at once through a one-hot over (slot, rank), added in place into the base logits
   a vocabulary block at a time, so memory does not grow with rows.
-- `lora_delta_grouped`: rows already sorted by a group id (MoE: expert x adapter), applied with
-  `jax.lax.ragged_dot`, a grouped GEMM on TPU. (XLA's CPU lowering of ragged_dot loops over groups.)
+- `make_routing`: the sort of rows by a group id (MoE: expert x present adapter) that the grouped
+  matmuls of `tx.kernels.gmm` take.
 - `lora_delta_reference`: gathers a weight matrix per token; memory O(tokens * in * R), the oracle.
 """
 
@@ -123,15 +123,6 @@ def _add_low_rank_bwd(block, residuals, g_no):
 
 
 _add_low_rank.defvjp(_add_low_rank_fwd, _add_low_rank_bwd)
-
-
-def lora_delta_grouped(
-    x_sorted_ni: jax.Array, lora_a_gir: jax.Array, lora_b_gro: jax.Array, group_sizes_g: jax.Array
-) -> jax.Array:
-    """`(x A_g) B_g` for rows already sorted by group; unscaled float32 [n, o] in sorted order."""
-    f32 = jnp.float32
-    h_nr = jax.lax.ragged_dot(x_sorted_ni.astype(f32), lora_a_gir.astype(f32), group_sizes_g)
-    return jax.lax.ragged_dot(h_nr, lora_b_gro.astype(f32), group_sizes_g)
 
 
 def lora_delta_reference(
