@@ -427,7 +427,7 @@ def test_schema_1_database_gets_owner_columns(url):
     """A database written by schema 1 (no owner columns) is migrated; its rows belong to nobody."""
     v1 = sa.MetaData()
     for table in store_mod.metadata.tables.values():
-        sa.Table(table.name, v1, *[c._copy() for c in table.columns if c.name != "owner"])
+        sa.Table(table.name, v1, *[c._copy() for c in table.columns if c.name not in ("owner", "public")])
     engine = sa.create_engine(url)
     try:
         with engine.begin() as conn:
@@ -444,7 +444,7 @@ def test_schema_1_database_gets_owner_columns(url):
             assert s.list_sessions(10, 0, "tenant-a") == [new]
         finally:
             s.close()
-        assert schema_versions(url) == [SCHEMA_VERSION] == [2]
+        assert schema_versions(url) == [SCHEMA_VERSION] == [3]
         for table in store_mod.OWNED_TABLES:
             assert "owner" in columns(url, table.name)
             assert f"ix_{table.name}_owner" in {i["name"] for i in sa.inspect(engine).get_indexes(table.name)}
