@@ -149,8 +149,8 @@ def add_weights_routes(app: FastAPI, store: Store, engine: Engine, config: ApiCo
 
     # ---- copy_weights ----
 
-    def copy(body: schemas.CopyWeights, who: Tenant, idempotency_key: str | None) -> str:
-        if body.weights_access_token is not None:
+    def copy(body: schemas.CopyWeights, who: Tenant, idempotency_key: str | None, access_token: str | None) -> str:
+        if body.weights_access_token is not None or access_token is not None:
             raise ApiError(400, "weights_access_token is not supported by this server: the owner can publish the "
                                 "checkpoint, which makes it readable with every key")
         ttl = schemas.check_ttl(body.ttl_seconds)
@@ -199,5 +199,6 @@ def add_weights_routes(app: FastAPI, store: Store, engine: Engine, config: ApiCo
     @app.post("/api/v1/copy_weights")
     async def copy_weights(request: Request):
         body = await parse(request, schemas.CopyWeights)
-        path = await io(copy, body, tenant(request), request.headers.get("x-idempotency-key"))
+        path = await io(copy, body, tenant(request), request.headers.get("x-idempotency-key"),
+                        request.headers.get("x-tinker-weights-access-token"))  # where the SDK sends it
         return {"tinker_path": path}
