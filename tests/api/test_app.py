@@ -61,13 +61,13 @@ def test_sampling_back_pressure_and_try_again(client):
     assert client.post("/api/v1/retrieve_future", json={"request_id": "req-unknown"}).status_code == 404
 
 
-def test_unsupported_training_call_keeps_the_models_order(client):
-    """save_weights_external is refused with a 400 that still consumes its seq_id."""
+def test_refused_training_call_keeps_the_models_order(client):
+    """A save_weights_external refused at submit (bad name) is a 400 that still consumes its seq_id."""
     session = client.post("/api/v1/create_session", json={"tags": []}).json()["session_id"]
     model = client.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": 0, "base_model": "tiny",
                                                        "lora_config": {"rank": 4}}).json()["model_id"]
-    r = client.post("/api/v1/save_weights_external", json={"model_id": model, "seq_id": 1, "path": "x"})
-    assert r.status_code == 400 and "not supported" in r.json()["detail"]
+    r = client.post("/api/v1/save_weights_external", json={"model_id": model, "seq_id": 1, "path": "../x"})
+    assert r.status_code == 400 and "path '../x' is not a valid checkpoint name" in r.json()["detail"]
     nxt = client.post("/api/v1/optim_step", json={"model_id": model, "seq_id": 2, "adam_params": {}})
     assert nxt.status_code == 200
     waiting = client.engine.scheduler.models[model].waiting  # the engine is not running: all still queued

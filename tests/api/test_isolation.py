@@ -133,7 +133,12 @@ ROUTES = {
                                          {"ttl_seconds": 100}),
     "delete_checkpoint": lambda t, me: ("DELETE", f"/api/v1/training_runs/{t.model}/checkpoints/weights/w1", None),
 }
-OWN_STATUS = {"save_weights_external": 400}  # refused for everyone (not supported), but only after the owner check
+ROUTES.update({
+    "publish_checkpoint": lambda t, me: ("POST", f"/api/v1/training_runs/{t.model}/checkpoints/weights/w1/publish", None),
+    "unpublish_checkpoint": lambda t, me: ("DELETE", f"/api/v1/training_runs/{t.model}/checkpoints/weights/w1/publish",
+                                           None),
+})
+OWN_STATUS = {"unpublish_checkpoint": 409}  # the owner's own is private already: a conflict, after the owner check
 
 
 @pytest.fixture

@@ -317,7 +317,8 @@ def test_put_and_get_checkpoint(store):
     put(store, expires_at=2000.0, size_bytes=12 << 30, user_metadata={"step": "10"})
     assert store.checkpoint("m:train:0", "weights", "c1") == {
         "model_id": "m:train:0", "kind": "weights", "name": "c1", "location": "/ck/c1", "created_at": 1000.0,
-        "expires_at": 2000.0, "size_bytes": 12 << 30, "user_metadata": {"step": "10"}, "owner": None}
+        "expires_at": 2000.0, "size_bytes": 12 << 30, "user_metadata": {"step": "10"}, "owner": None,
+        "public": False}
     assert store.checkpoint("m:train:0", "sampler_weights", "c1") is None  # the key includes the kind
     assert store.checkpoint("m:train:1", "weights", "c1") is None
 
@@ -427,7 +428,7 @@ def test_schema_1_database_gets_owner_columns(url):
     """A database written by schema 1 (no owner columns) is migrated; its rows belong to nobody."""
     v1 = sa.MetaData()
     for table in store_mod.metadata.tables.values():
-        sa.Table(table.name, v1, *[c._copy() for c in table.columns if c.name != "owner"])
+        sa.Table(table.name, v1, *[c._copy() for c in table.columns if c.name not in ("owner", "public")])
     engine = sa.create_engine(url)
     try:
         with engine.begin() as conn:
@@ -444,7 +445,7 @@ def test_schema_1_database_gets_owner_columns(url):
             assert s.list_sessions(10, 0, "tenant-a") == [new]
         finally:
             s.close()
-        assert schema_versions(url) == [SCHEMA_VERSION] == [2]
+        assert schema_versions(url) == [SCHEMA_VERSION] == [3]
         for table in store_mod.OWNED_TABLES:
             assert "owner" in columns(url, table.name)
             assert f"ix_{table.name}_owner" in {i["name"] for i in sa.inspect(engine).get_indexes(table.name)}
@@ -626,3 +627,31 @@ def test_sqlite_reads_do_not_wait_for_an_open_write(tmp_path):
         assert time.monotonic() - started < 1.0
     assert store.future(request_id).status == "failed"
     store.close()
+
+
+def test_schema_2_database_gets_public_column(url):
+    """A schema-2 database (no checkpoints.public) is migrated; its checkpoints stay private."""
+    v2 = sa.MetaData()
+    for table in store_mod.metadata.tables.values():
+        sa.Table(table.name, v2, *[c._copy() for c in table.columns if c.name != "public"])
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as conn:
+            v2.create_all(conn)
+            conn.execute(v2.tables["tx_schema"].insert().values(version=2))
+            conn.execute(v2.tables["checkpoints"].insert().values(
+                model_id="m:train:0", kind="weights", name="c1", location="/ck", created_at=1.0, user_metadata={}))
+        assert "public" not in columns(url, "checkpoints")
+        s = Store(url)
+        try:
+            assert s.checkpoint("m:train:0", "weights", "c1")["public"] is False
+            from tx.engine import store_weights
+            assert store_weights.set_public(s, "m:train:0", "weights", "c1", True) is True
+            assert store_weights.set_public(s, "m:train:0", "weights", "c1", True) is False
+            assert store_weights.set_public(s, "m:train:0", "weights", "nope", True) is None
+            assert s.checkpoint("m:train:0", "weights", "c1")["public"] is True
+        finally:
+            s.close()
+        assert schema_versions(url) == [SCHEMA_VERSION] == [3]
+    finally:
+        engine.dispose()

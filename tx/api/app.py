@@ -18,8 +18,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from tx import losses, types
-from tx.api import bodies, schemas, stability, wire, wire_json
-from tx.api.common import ApiError, Tenant, found, owned, page, str_metadata, tenant
+from tx.api import bodies, schemas, stability, weights_routes, wire, wire_json
+from tx.api.common import ApiError, Tenant, found, owned, page, readable, str_metadata, tenant
 from tx.api.config import TINKER_LORA_ALPHA, ApiConfig, ServedModel  # noqa: F401 - ApiConfig re-exported
 from tx.api.runs import add_run_routes
 from tx.api.sampling_routes import add_sampling_routes
@@ -67,7 +67,8 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
             request.state.tenant = Tenant.of_key(key, admin=True)
         elif key in api_keys or config.no_auth:  # without auth each distinct key (even "") is a tenant
             request.state.tenant = Tenant.of_key(key)
-        elif request.url.path != "/api/v1/healthz":
+        elif request.url.path != "/api/v1/healthz" and not request.url.path.startswith(weights_routes.FILES_PREFIX):
+            # (signed download URLs carry their own authority: an HMAC over path and expiry)
             return JSONResponse({"detail": "missing or unknown X-API-Key"}, status_code=401)
         return await call_next(request)
 
@@ -130,11 +131,12 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
         return {"request_id": request_id, "model_id": model_id}
 
     def checkpoint_location(path: str, kind: str, who: Tenant, field: str = "path") -> str:
-        """Where the files of `who`'s checkpoint `path` are; another tenant's answers 404 like a missing one."""
+        """Where the files of checkpoint `path` are, if `who` may read it (theirs, or published); another
+        tenant's unpublished one answers 404 like a missing one."""
         model_id, found_kind, name = paths.parse_tinker_path(path, field)
         if found_kind != kind:
             raise UserError(f"{field} {path!r} is a {found_kind} checkpoint; this call needs {kind}")
-        return owned(store.checkpoint(model_id, kind, name), who, f"{field}: checkpoint {path}")["location"]
+        return readable(store.checkpoint(model_id, kind, name), who, f"{field}: checkpoint {path}")["location"]
 
     # ---- configuration, sessions, telemetry ----
 
@@ -317,14 +319,10 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
     @app.post("/api/v1/save_weights_external")
     async def save_weights_external(request: Request):
         who = tenant(request)
-        body = await parse_sequenced(request, schemas.SaveWeights, who)
+        body = await parse_sequenced(request, schemas.SaveWeightsExternal, who)
         await live_model(body.model_id, who)
-
-        def refuse():
-            raise UserError("save_weights_external is not supported by this server; save_weights_for_sampler "
-                            "writes a PEFT adapter under the server's checkpoint root")
-
-        return await submit_training(body.model_id, body.seq_id, "save_weights_external", refuse, who)
+        return await submit_training(body.model_id, body.seq_id, "save_weights_external",
+                                     lambda: weights_routes.external_save_request(body), who)
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request):
@@ -403,6 +401,7 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
 
     add_run_routes(app, store, engine, parse)
     add_sampling_routes(app, engine, store, models, parse, active_session, checkpoint_location, checkpoint_base)
+    weights_routes.add_weights_routes(app, store, engine, config, parse)
 
     return app
 

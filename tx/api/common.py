@@ -55,6 +55,13 @@ def owned(row, who: Tenant, what: str):
     return found(row if row is not None and who.sees(owner) else None, what)
 
 
+def readable(row, who: Tenant, what: str):
+    """Like `owned`, but a published checkpoint (`public`) is readable by every tenant."""
+    if row is not None and row.get("public"):
+        return row
+    return owned(row, who, what)
+
+
 def page(limit: int, offset: int) -> tuple[int, int]:
     """Listing bounds, checked: 1 <= limit <= MAX_LIMIT, offset >= 0."""
     if not 1 <= limit <= MAX_LIMIT:

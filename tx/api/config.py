@@ -15,6 +15,11 @@ class ApiConfig(BaseModel):
     compress_fwdbwd: bool = Field(True, description="ask the SDK to zstd-compress forward_backward bodies")
     read_timeout_s: float = Field(30.0, gt=0, description="a request's headers must arrive within this many seconds "
                                   "and its body without a longer pause (slow clients are disconnected)")
+    public_url: str | None = Field(None, description="base URL clients reach this server at, for signed download "
+                                   "URLs (default: the URL of the request that asked for them)")
+    url_signing_key: str | None = Field(None, description="secret for signing download URLs, so they survive a "
+                                        "restart (default: $TX_URL_SIGNING_KEY, else a random key per start)")
+    signed_url_ttl_s: int = Field(3600, ge=60, le=7 * 24 * 3600, description="how long a signed download URL works")
 
 
 # Tinker's LoRA alpha: adapters scale by 32 / rank, so the cookbook's learning rates (hyperparam_utils,

@@ -8,7 +8,7 @@ from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
 from tx.api import schemas
-from tx.api.common import Tenant, found, iso, owned, page, str_metadata, tenant
+from tx.api.common import Tenant, found, iso, owned, page, readable, str_metadata, tenant
 from tx.engine import paths
 from tx.engine.engine import Engine
 from tx.engine.store import Store
@@ -22,8 +22,8 @@ def add_run_routes(app: FastAPI, store: Store, engine: Engine, parse) -> None:
         body = await parse(request, schemas.WeightsInfo)
         model_id, kind, name = paths.parse_tinker_path(body.tinker_path, "tinker_path")
         what = f"checkpoint {body.tinker_path}"
-        model = owned(await io(store.model, model_id), tenant(request), what)
-        owned(await io(store.checkpoint, model_id, kind, name), tenant(request), what)
+        readable(await io(store.checkpoint, model_id, kind, name), tenant(request), what)  # published: anyone's
+        model = found(await io(store.model, model_id), what)
         lora = model["lora_config"]
         return {"base_model": model["base_model"], "optimizer_config": {"type": "adamw"}, "is_lora": True,
                 "lora_rank": lora.get("rank"), "train_unembed": lora.get("train_unembed"),
@@ -34,7 +34,7 @@ def add_run_routes(app: FastAPI, store: Store, engine: Engine, parse) -> None:
     def checkpoint_json(row: dict) -> dict:
         return {"checkpoint_id": f"{row['kind']}/{row['name']}", "checkpoint_type": paths.KINDS[row["kind"]],
                 "time": iso(row["created_at"]), "tinker_path": paths.tinker_path(row["model_id"], row["kind"], row["name"]),
-                "size_bytes": row["size_bytes"], "public": False, "user_metadata": str_metadata(row["user_metadata"]),
+                "size_bytes": row["size_bytes"], "public": bool(row.get("public")), "user_metadata": str_metadata(row["user_metadata"]),
                 "expires_at": iso(row["expires_at"])}
 
     def training_run_json(model: dict) -> dict:

@@ -185,3 +185,20 @@ class CheckpointTtl(_Body):
 
 class WeightsInfo(_Body):
     tinker_path: str
+
+
+class SaveWeightsExternal(_Body):
+    model_id: str
+    seq_id: SeqId
+    path: str
+    ttl_seconds: LooseTtl = None
+    age_encryption_recipients: list[Any] | None = None  # each checked (and named) when the request is built
+
+
+class CopyWeights(_Body):
+    source_path: str
+    session_id: str | None = None
+    model_seq_id: Index | None = None
+    destination_project_id: str | None = Field(None, max_length=256)
+    ttl_seconds: LooseTtl = None
+    weights_access_token: str | None = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import tarfile
 import tempfile
 import time
@@ -21,7 +22,7 @@ from flax import nnx
 
 from tx import types
 from tx.backends.steps import init_opt_state, put_slot, take_slot
-from tx.checkpoints import peft_format, storage, training
+from tx.checkpoints import external, peft_format, storage, training
 from tx.models.adapters import plan_adapter_weights, write_adapter_slot
 from tx.models.layers.lora import LoraA, LoraB, LoraScale
 
@@ -116,6 +117,25 @@ class CheckpointMixin:
         self.models[model_id] = self.models[model_id].model_copy(update={
             "lora_config": types.LoraConfig(**meta["lora_config"]), "optim_steps": meta.get("optim_steps", 0)})
         logger.info("loaded %s into %s (optimizer: %s)", checkpoint_path, model_id, load_optimizer)
+
+    def save_external_weights(self, output_path, model_id: str, age_recipients: list[str] | None = None) -> None:
+        """The adapter as a PEFT directory at `output_path` (versioned like a training checkpoint), each file
+        age-encrypted to `age_recipients` when given. Every process computes, process 0 writes."""
+        slot = self._slot(model_id)
+        lora = self.models[model_id].lora_config
+        if jax.process_index() != 0:
+            peft_format.get_adapter_weights(self.model, slot, lora.rank)  # the same collectives
+            return
+        external.parse_recipients(age_recipients)  # refused before anything is written
+        with tempfile.TemporaryDirectory() as tmp:
+            adapter = Path(tmp) / "adapter"
+            peft_format.export_adapter(self.model, slot, lora.rank, lora.alpha, self.base_model, adapter)
+            if age_recipients:
+                external.encrypt_dir(adapter, age_recipients)
+            with storage.write_dir(output_path) as out:
+                for path in sorted(adapter.iterdir()):
+                    shutil.copyfile(path, out / path.name)
+        logger.info("saved external weights of %s to %s", model_id, output_path)
 
     # ---- sampler weights ----
     #

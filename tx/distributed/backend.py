@@ -16,7 +16,8 @@ from tx.distributed.control import Coordinator
 from tx.distributed.rpc import encode_kwargs
 
 BROADCAST = ("create_model", "delete_model", "forward", "forward_backward", "optim_step", "sample",
-             "save_checkpoint", "load_checkpoint", "save_sampler_checkpoint", "evict_sampler_checkpoint", "debug_fail")
+             "save_checkpoint", "load_checkpoint", "save_sampler_checkpoint", "evict_sampler_checkpoint", "debug_fail",
+             "save_external_weights")
 
 
 def method_of(name: str) -> Callable:
@@ -82,6 +83,10 @@ class DistributedBackend(AbstractBackend):
 
     def save_sampler_checkpoint(self, output_path, model_id: str, persist: bool = True) -> None:
         return self._call("save_sampler_checkpoint", output_path=output_path, model_id=model_id, persist=persist)
+
+    def save_external_weights(self, output_path, model_id: str, age_recipients: list[str] | None = None) -> None:
+        return self._call("save_external_weights", output_path=output_path, model_id=model_id,
+                          age_recipients=age_recipients)
 
     def evict_sampler_checkpoint(self, path: str) -> None:
         return self._call("evict_sampler_checkpoint", path=path)

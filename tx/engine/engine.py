@@ -375,6 +375,14 @@ class Engine:
         return {"path": paths.tinker_path(op.model_id, "sampler_weights", request.name),
                 "type": "save_weights_for_sampler"}, [{}]
 
+    def _do_save_weights_external(self, op: Op):
+        request: SaveRequest = op.payload
+        where = paths.location(self.config.checkpoint_root, op.model_id, "external_weights", request.name)
+        self._backend_of(op.model_id).save_external_weights(where, op.model_id, request.age_recipients or None)
+        self._record_checkpoint(op.model_id, "external_weights", request, where)
+        return {"path": paths.tinker_path(op.model_id, "external_weights", request.name), "size_bytes": _size_of(where),
+                "type": "save_weights_external"}, [{}]
+
     def _record_checkpoint(self, model_id: str, kind: str, request: SaveRequest, where: str) -> None:
         expires = time.time() + request.ttl_seconds if request.ttl_seconds else None
         self.store.put_checkpoint(model_id, kind, request.name, where, expires, _size_of(where), request.user_metadata)

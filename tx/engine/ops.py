@@ -11,7 +11,7 @@ from tx import types
 # Training ops sequenced per model by seq_id. A model's create (or create-from-state) is its seq 0.
 PASS_KINDS = ("forward_backward", "forward")
 MODEL_KINDS = ("create_model", "create_from_state", *PASS_KINDS, "optim_step", "save_weights",
-               "save_weights_for_sampler", "load_weights")
+               "save_weights_for_sampler", "save_weights_external", "load_weights")
 
 
 class UserError(ValueError):
@@ -58,6 +58,7 @@ class SaveRequest:
     ttl_seconds: int | None = None
     user_metadata: dict[str, Any] = field(default_factory=dict)
     sampling_session_id: str | None = None
+    age_recipients: list[str] = field(default_factory=list)  # save_weights_external: encrypt to these
 
 
 @dataclass

@@ -8,7 +8,7 @@ import re
 from tx.checkpoints import storage
 from tx.engine.ops import UserError
 
-KINDS = {"weights": "training", "sampler_weights": "sampler"}
+KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,127}")
 _MODEL_ID = re.compile(r"[A-Za-z0-9_\-]{1,64}:train:[0-9]{1,9}")
 

@@ -22,7 +22,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 metadata = sa.MetaData()
 
@@ -82,6 +82,8 @@ checkpoints = sa.Table(
     sa.Column("size_bytes", sa.BigInteger),
     sa.Column("user_metadata", sa.JSON, nullable=False),
     sa.Column("owner", sa.String(64), index=True),  # the model's owner
+    # published: other tenants may read it (load, sample, download, copy); only its owner changes anything
+    sa.Column("public", sa.Boolean, nullable=False, server_default=sa.false()),
 )
 
 sampling_sessions = sa.Table(
@@ -107,8 +109,13 @@ def _add_owner_columns(conn: Connection) -> None:
                 index.create(conn)
 
 
+def _add_public_column(conn: Connection) -> None:
+    """Schema 2 -> 3: checkpoints gain `public` (existing ones stay private)."""
+    conn.exec_driver_sql("ALTER TABLE checkpoints ADD COLUMN public BOOLEAN NOT NULL DEFAULT FALSE")
+
+
 # version -> function upgrading a database from `version` to `version + 1`
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _add_owner_columns}
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _add_owner_columns, 2: _add_public_column}
 
 
 class SchemaError(RuntimeError):
