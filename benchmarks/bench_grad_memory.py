@@ -18,44 +18,18 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-
-def peak_rss_during(fn) -> tuple[float, float]:
-    """(seconds, peak resident memory in bytes above the start) while `fn()` runs (sampled every 5 ms)."""
-    import psutil
-
-    proc = psutil.Process()
-    start, peak, stop = proc.memory_info().rss, [0], [False]
-
-    def sample():
-        while not stop[0]:
-            peak[0] = max(peak[0], proc.memory_info().rss)
-            time.sleep(0.005)
-
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    t0 = time.perf_counter()
-    fn()
-    seconds = time.perf_counter() - t0
-    stop[0] = True
-    thread.join()
-    return seconds, max(peak[0], proc.memory_info().rss) - start
+from common import PeakRSS, add_model_args, model_spec
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden-size", type=int, default=1024)
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--num-heads", type=int, default=16)
-    parser.add_argument("--num-kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--intermediate-size", type=int, default=3072)
-    parser.add_argument("--vocab-size", type=int, default=151936)
+    add_model_args(parser, hidden=1024, layers=2, heads=16, kv_heads=8, head_dim=128, intermediate=3072,
+                   vocab=151936)
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--slots", type=int, default=32, help="adapter slots including slot 0 (the base model)")
     parser.add_argument("--rows", type=int, default=4)
@@ -66,13 +40,10 @@ def main() -> None:
 
     import tx
     from tx import types
-    from tx.models.tiny import TinySpec, write_tiny_model
+    from tx.models.tiny import write_tiny_model
 
-    spec = TinySpec(hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
-                    num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, intermediate_size=args.intermediate_size,
-                    vocab_size=args.vocab_size, tie_word_embeddings=True, init_std=0.02)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_tiny_model(Path(tmp) / "model", spec)
+        model_dir = write_tiny_model(Path(tmp) / "model", model_spec(args, tie_word_embeddings=True))
         config = tx.JaxBackendConfig(max_lora_adapters=args.slots, max_lora_rank=args.rank, loss_chunk_size=256)
         backend = tx.JaxBackend(str(model_dir), config)
         models = [f"m{i}" for i in range(1, args.slots)]
@@ -103,7 +74,14 @@ def main() -> None:
 
     backend._run = capturing_run
     backend.forward(batch)  # compile outside the measured call
-    seconds, rss = peak_rss_during(lambda: backend.forward(batch))
+    import psutil
+
+    start_rss = psutil.Process().memory_info().rss
+    with PeakRSS() as rss_peak:
+        t0 = time.perf_counter()
+        backend.forward(batch)
+        seconds = time.perf_counter() - t0
+    rss = rss_peak.peak - start_rss
     backend.forward_backward(batch)
     print(json.dumps({"shape": vars(args), "grad_sum_bytes": grad_bytes, "forward_seconds": round(seconds, 3),
                       "forward_peak_rss_above_start_bytes": rss}))

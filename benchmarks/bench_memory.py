@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import PeakRSS
+from common import PeakRSS, add_model_args, model_spec
 
 RANK = 16
 SHAPE_FLAGS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size")
@@ -41,12 +41,9 @@ def rss() -> int:
 
 
 def write_model(args: argparse.Namespace, directory: Path) -> Path:
-    from tx.models.tiny import TinySpec, write_tiny_model
+    from tx.models.tiny import write_tiny_model
 
-    spec = TinySpec(hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
-                    num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, intermediate_size=args.intermediate_size,
-                    vocab_size=args.vocab_size, tie_word_embeddings=True, init_std=0.02,
-                    max_position_embeddings=max(32768, max(args.lengths) + 1))
+    spec = model_spec(args, tie_word_embeddings=True, max_position_embeddings=max(32768, max(args.lengths) + 1))
     return write_tiny_model(directory / "model", spec)
 
 
@@ -150,14 +147,8 @@ def default_impls() -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = parser.add_argument_group("model shape (a random tied Qwen3 checkpoint is written for the run)")
-    g.add_argument("--hidden-size", type=int, default=1024)
-    g.add_argument("--num-layers", type=int, default=2)
-    g.add_argument("--num-heads", type=int, default=16)
-    g.add_argument("--num-kv-heads", type=int, default=8)
-    g.add_argument("--head-dim", type=int, default=128)
-    g.add_argument("--intermediate-size", type=int, default=3072)
-    g.add_argument("--vocab-size", type=int, default=151936)
+    add_model_args(parser, hidden=1024, layers=2, heads=16, kv_heads=8, head_dim=128, intermediate=3072,
+                   vocab=151936)  # Qwen3-0.6B's layer shape, tied embeddings
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--long", action="store_true", help="also 32768 tokens")
     parser.add_argument("--impls", nargs="+", default=None, help="attention impls (default: those of the platform)")

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from common import add_model_args, model_spec
+
 RANK = 16
 
 
@@ -42,13 +44,10 @@ def timed(fn, steps: int, warmup: int) -> float:
 
 
 def write_model(args, root: Path) -> Path:
-    from tx.models.tiny import TinySpec, write_tiny_model
+    from tx.models.tiny import write_tiny_model
 
-    spec = TinySpec(hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
-                    num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, intermediate_size=3 * args.hidden_size,
-                    vocab_size=args.vocab_size, moe=True, num_experts=args.num_experts,
-                    num_experts_per_tok=args.top_k, moe_intermediate_size=args.moe_intermediate_size,
-                    init_std=0.02)
+    spec = model_spec(args, moe=True, num_experts=args.num_experts, num_experts_per_tok=args.top_k,
+                      moe_intermediate_size=args.moe_intermediate_size)
     return write_tiny_model(root / "model", spec)
 
 
@@ -114,12 +113,7 @@ def bench_transformers(model_dir: Path, args, experts_impl: str, ids: np.ndarray
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden-size", type=int, default=1024)
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--num-heads", type=int, default=16)
-    parser.add_argument("--num-kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--vocab-size", type=int, default=32000)
+    add_model_args(parser, hidden=1024, layers=2, heads=16, kv_heads=8, head_dim=128, intermediate=3072)
     parser.add_argument("--num-experts", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--moe-intermediate-size", type=int, default=768, help="Qwen3-30B-A3B's expert width")

@@ -14,27 +14,36 @@ import numpy as np
 
 
 def add_model_args(parser: argparse.ArgumentParser, *, hidden: int, layers: int, heads: int, kv_heads: int,
-                   intermediate: int, vocab: int = 32000) -> None:
+                   intermediate: int, vocab: int = 32000, head_dim: int | None = None) -> None:
+    """The model-shape flags; `--head-dim` defaults to hidden / heads unless `head_dim` is given."""
     g = parser.add_argument_group("model shape (a random Qwen3 checkpoint is written for the run)")
     g.add_argument("--hidden-size", type=int, default=hidden)
     g.add_argument("--num-layers", type=int, default=layers)
     g.add_argument("--num-heads", type=int, default=heads)
     g.add_argument("--num-kv-heads", type=int, default=kv_heads)
+    g.add_argument("--head-dim", type=int, default=head_dim, help="default: hidden size / heads")
     g.add_argument("--intermediate-size", type=int, default=intermediate)
     g.add_argument("--vocab-size", type=int, default=vocab)
+
+
+def model_spec(args: argparse.Namespace, **overrides):
+    """The TinySpec of the shape flags in `args` (random weights, std 0.02), with `overrides` applied."""
+    from tx.models.tiny import TinySpec
+
+    fields = dict(hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
+                  num_kv_heads=args.num_kv_heads, head_dim=args.head_dim or args.hidden_size // args.num_heads,
+                  intermediate_size=args.intermediate_size, vocab_size=args.vocab_size, init_std=0.02)
+    return TinySpec(**{**fields, **overrides})
 
 
 @contextlib.contextmanager
 def random_model(args: argparse.Namespace) -> Iterator[tuple[Path, int]]:
     """(checkpoint directory, parameter count) of a random model with the shape in `args`."""
     from tx.models.safetensors_io import SafetensorsDir
-    from tx.models.tiny import TinySpec, write_tiny_model
+    from tx.models.tiny import write_tiny_model
 
-    spec = TinySpec(hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
-                    num_kv_heads=args.num_kv_heads, head_dim=args.hidden_size // args.num_heads,
-                    intermediate_size=args.intermediate_size, vocab_size=args.vocab_size, init_std=0.02)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_tiny_model(Path(tmp) / "model", spec)
+        model_dir = write_tiny_model(Path(tmp) / "model", model_spec(args))
         files = SafetensorsDir(model_dir)
         yield model_dir, sum(int(np.prod(files.shape(k))) for k in files.keys())
 
