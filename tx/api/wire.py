@@ -189,7 +189,7 @@ def _topk(rows: list[list[tuple[int, float]] | None], k: int) -> pb.TopkLogprobs
     return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(), k=k, length=len(rows))
 
 
-def _dense(array: np.ndarray, dtype: int) -> pb.Tensor:
+def _dense_pb(array: np.ndarray, dtype: int) -> pb.Tensor:
     return pb.Tensor(dense=array.tobytes(), dtype=dtype, shape=list(array.shape))
 
 
@@ -197,7 +197,7 @@ def _target_logprobs(t: types.TargetPromptLogprobs) -> pb.Tensor:
     """float32, in the request's layout: dense, or CSR with its crow / col (the SDK decodes either)."""
     values = np.asarray(t.logprobs, np.float32)
     if t.crow is None:
-        return _dense(values.reshape(t.shape), pb.DTYPE_FLOAT32)
+        return _dense_pb(values.reshape(t.shape), pb.DTYPE_FLOAT32)
     csr = pb.SparseCsr(values=values.tobytes(), crow_indices=np.asarray(t.crow, np.int64).tobytes(),
                        col_indices=np.asarray(t.col, np.int64).tobytes())
     return pb.Tensor(sparse_csr=csr, dtype=pb.DTYPE_FLOAT32, shape=list(t.shape))
@@ -217,8 +217,8 @@ def encode_sample(out: types.SampleOutput) -> tuple[str, bytes]:
     if out.prompt_alt_tokens is not None:  # [len(prompt) - 1, k] pairs -> int64 ids and float32 log-probs
         pairs = np.asarray(out.prompt_alt_tokens, np.float64).reshape(len(out.prompt_alt_tokens), -1, 2)
         msg.prompt_alt_tokens.CopyFrom(pb.PromptAltTokens(
-            tokens=_dense(pairs[..., 0].astype(np.int64), pb.DTYPE_INT64),
-            logprobs=_dense(pairs[..., 1].astype(np.float32), pb.DTYPE_FLOAT32)))
+            tokens=_dense_pb(pairs[..., 0].astype(np.int64), pb.DTYPE_INT64),
+            logprobs=_dense_pb(pairs[..., 1].astype(np.float32), pb.DTYPE_FLOAT32)))
     if out.prompt_logprobs is not None:
         lp = np.asarray([np.nan if v is None else v for v in out.prompt_logprobs], np.float32)
         msg.prompt_logprobs = lp.tobytes()
