@@ -139,7 +139,7 @@ def test_rl_loop_default_loss_from_warm_start(lab):
     checkpoint_utils.save_checkpoint(training_client=warm_start(lab, convos), name="warm", log_path=str(log_dir),
                                      kind="state", loop_state={"batch": 0})
     out, moved = lab.run("rl_loop", "tinker_cookbook.recipes.rl_loop", f"base_url={lab.server.url}",
-                         f"model_name={MODEL}", "batch_size=2", "group_size=4", "max_tokens=24", "max_steps=2",
+                         f"model_name={MODEL}", "batch_size=2", "group_size=4", "max_tokens=32", "max_steps=2",
                          f"log_path={log_dir}")
     assert "Resuming from batch 0" in out, out[-3000:]
     rows = metrics_of(log_dir)
