@@ -110,6 +110,23 @@ def test_crafted_tensor_shapes_are_400s_that_consume_the_seq_id(client):
     assert isinstance(out, bytes) and len(out) > 0  # a ForwardBackwardOutput protobuf
 
 
+def test_metrics_count_pass_requests_per_loss_function(client):
+    """/api/v1/metrics names the loss of every pass request that ran (refused ones are not counted)."""
+    sent = [(1, TARGET_2D, True), (2, None, False), (3, None, False)]  # (seq_id, target, forward_only)
+    for seq_id, target, forward_only in sent:
+        r = client.post("/api/v1/forward_backward", content=body(client.model_id, seq_id, target, forward_only),
+                        headers={"Content-Type": wire.PROTO})
+        assert r.status_code == (400 if target is TARGET_2D else 200), r.text
+        if r.status_code == 200:
+            result(client, r.json()["request_id"], 60)
+    engine = client.get("/api/v1/metrics").json()["engine"]
+    assert engine.get("forward_requests_cross_entropy", 0) == 0, engine
+    assert engine["forward_backward_requests_cross_entropy"] == 2, engine
+
+
+TARGET_2D = CRAFTED["2-D of the right size"][0]
+
+
 @pytest.mark.parametrize("route, extra", [("save_weights", {"path": "ck"}),
                                           ("save_weights_for_sampler", {"path": "ck"})])
 @pytest.mark.parametrize("ttl, says", [(10**400, "ttl_seconds (an integer of 1329 bits)"),

@@ -247,6 +247,7 @@ class Engine:
                                  "all_ratio_masks")}
         slices = []
         for op in ops:
+            self.count(f"{kind}_requests_{op.payload.loss_fn}")  # shows which losses the clients ran
             start = len(batch["all_input_ids"])
             for d in op.payload.datums:
                 batch["all_input_ids"].append(d.input_ids)
