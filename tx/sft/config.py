@@ -18,7 +18,7 @@ class RunConfig(_Strict):
     """One adapter trained by the job. Several runs train concurrently in shared batches."""
 
     name: str = Field("main", pattern=r"^[A-Za-z0-9_.-]+$", description="run name (directory and metric prefix)")
-    rank: int = Field(16, ge=1)
+    rank: int = Field(16, ge=0, description="LoRA rank; 0 = full training (all weights, one run only)")
     alpha: float = Field(32.0, gt=0)
     seed: int = 0
     train_attn: bool = True
@@ -46,7 +46,8 @@ class DataConfig(_Strict):
     messages_key: str = "messages"
     tools_key: str = "tools"
     system_key: str | None = Field(None, description="column holding a system prompt to prepend")
-    max_length: int = Field(2048, ge=8, description="tokens per example; longer ones are cut on the right")
+    max_length: int | None = Field(2048, ge=8, description="tokens per example; longer ones are cut on the right "
+                                   "(None = no truncation; rows are then not packed unless pack_length is set)")
     train_on_what: TrainOnWhat = "last_assistant_message"
     eval_dataset: str | None = None
     eval_split: str = "train"
@@ -83,6 +84,8 @@ class SFTConfig(_Strict):
     dummy_run_max_steps: int = Field(3, ge=1)
     metrics_file: str | None = Field(None, description="JSON lines, one per step and eval")
     wandb_project: str | None = Field(None, description="also log to Weights & Biases (needs the wandb package)")
+    wandb_run_name: str | None = Field(None, description="W&B run name (default: wandb's)")
+    wandb_tags: list[str] | None = Field(None, description="W&B run tags")
     max_lora_adapters: int | None = Field(None, ge=2, description="default: runs + 1")
     loss_chunk_size: int = Field(1024, ge=1)
     gradient_checkpointing: bool = Field(True, description="recompute each layer in the backward pass")
@@ -103,6 +106,18 @@ class SFTConfig(_Strict):
             raise ValueError("export_merged needs export_path")
         if self.hf_save_interval and not self.export_path:
             raise ValueError("hf_save_interval needs export_path")
-        if self.pack_length is not None and self.pack_length < self.data.max_length:
+        full = [r.name for r in self.runs if r.rank == 0]
+        if full and len(self.runs) > 1:
+            raise ValueError(f"runs: run(s) {full} have rank 0 (full training), which cannot share a job with other "
+                             f"runs ({[r.name for r in self.runs]}): full training owns the base weights; "
+                             "train it in a job of its own")
+        if self.dummy_run_full_ctx and self.data.max_length is None:
+            raise ValueError("dummy_run_full_ctx needs data.max_length (the length of the synthetic rows)")
+        if self.pack_length is not None and self.data.max_length is not None and self.pack_length < self.data.max_length:
             raise ValueError(f"pack_length={self.pack_length} is smaller than data.max_length={self.data.max_length}")
         return self
+
+    @property
+    def training_mode(self) -> Literal["lora", "full"]:
+        """'full' when the (single) run has rank 0: the base weights themselves are trained."""
+        return "full" if self.runs[0].rank == 0 else "lora"

@@ -8,6 +8,7 @@ Hugging Face dataset names through the `datasets` package when it is installed.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,32 @@ import numpy as np
 from tx.sft.config import DataConfig
 from tx.sft.masks import Example, tokenize_conversation
 
+_SPLIT = re.compile(r"^([\w.-]*)(?:\[(-?\d+%?)?:(-?\d+%?)?\])?$")
+
+
+def split_slice(split: str) -> tuple[str, str]:
+    """`name[start:end]` (HF split syntax, ints or percents) -> (name, "[start:end]" or "")."""
+    m = _SPLIT.match(split)
+    if m is None:
+        raise ValueError(f"data.split: {split!r} is not a split name optionally followed by [start:end]")
+    return m.group(1), split[len(m.group(1)):]
+
+
+def _apply_slice(rows: list, bracket: str) -> list:
+    if not bracket:
+        return rows
+
+    def bound(text: str | None) -> int | None:
+        if not text:
+            return None
+        return round(len(rows) * int(text[:-1]) / 100) if text.endswith("%") else int(text)
+
+    start, _, end = bracket[1:-1].partition(":")
+    return rows[bound(start):bound(end)]
+
 
 def load_rows(source: str, split: str = "train") -> list[dict[str, Any]]:
+    """A local file has one split: its name is ignored, a slice (`train[:100]`, `x[10%:]`) is applied."""
     path = Path(source)
     looks_local = path.suffix in (".jsonl", ".json", ".parquet", ".arrow", ".csv") or source.startswith(("/", "."))
     if looks_local and not path.exists():
@@ -26,7 +51,7 @@ def load_rows(source: str, split: str = "train") -> list[dict[str, Any]]:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         if not rows:
             raise ValueError(f"data.dataset: {source} has no rows")
-        return rows
+        return _apply_slice(rows, split_slice(split)[1])
     try:
         import datasets
     except ImportError:
@@ -38,7 +63,7 @@ def load_rows(source: str, split: str = "train") -> list[dict[str, Any]]:
         kind = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}.get(path.suffix)
         if kind is None:
             raise ValueError(f"data.dataset: unsupported file type {path.suffix!r} for {source}")
-        return list(datasets.load_dataset(kind, data_files=str(path), split=split))
+        return list(datasets.load_dataset(kind, data_files=str(path), split="train" + split_slice(split)[1]))
     return list(datasets.load_dataset(source, split=split))
 
 
@@ -50,9 +75,15 @@ def to_messages(row: dict[str, Any], cfg: DataConfig) -> tuple[list[dict], list[
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": row["output"]}]
     else:
         raise ValueError(f"data: row has neither {cfg.messages_key!r} nor instruction/output columns: {sorted(row)}")
-    if cfg.system_key and row.get(cfg.system_key):
+    if cfg.system_key and row.get(cfg.system_key) and not (messages and messages[0].get("role") == "system"):
         messages = [{"role": "system", "content": row[cfg.system_key]}] + messages
-    return messages, row.get(cfg.tools_key) or None
+    tools = row.get(cfg.tools_key) or None
+    if isinstance(tools, str):  # tool schemas stored as a JSON string (a common dataset layout)
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"data: column {cfg.tools_key!r} is a string but not JSON: {e}") from None
+    return messages, tools
 
 
 def tokenize_rows(rows: list[dict], tokenizer, cfg: DataConfig) -> list[Example]:

@@ -44,6 +44,11 @@ class SFTTrainer:
     def __init__(self, cfg: SFTConfig):
         from transformers import AutoTokenizer
 
+        if cfg.training_mode == "full":
+            # Integrator: switch on here once the backend's full fine-tuning mode lands (rank 0 -> training_mode="full").
+            raise ValueError(f"runs[0].rank = 0 asks for full training (all weights) of run {cfg.runs[0].name!r}, which "
+                             "is not yet available in tx.sft; use a LoRA rank >= 1 (runs[].rank, or model.lora.rank in "
+                             "SkyRL's SFTConfig names)")
         self.cfg = cfg
         base = cfg.base_model
         if base == "tiny":
@@ -56,7 +61,7 @@ class SFTTrainer:
             max_lora_rank=max(r.rank for r in cfg.runs),
             train_micro_batch_tokens=cfg.micro_batch_tokens,
             train_micro_batch_size=cfg.micro_batch_rows,
-            max_seq_len=max(cfg.pack_length or 0, cfg.data.max_length),
+            max_seq_len=max(cfg.pack_length or 0, cfg.data.max_length or 0) or None,
             loss_chunk_size=cfg.loss_chunk_size,
             gradient_checkpointing=cfg.gradient_checkpointing,
             remat_policy=cfg.remat_policy,
@@ -97,7 +102,8 @@ class SFTTrainer:
                 import wandb
             except ImportError:
                 raise ValueError("wandb_project is set but the wandb package is not installed") from None
-            self._wandb = wandb.init(project=cfg.wandb_project, config=cfg.model_dump())
+            self._wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, tags=cfg.wandb_tags,
+                                     config=cfg.model_dump())
 
     # ---- data ----
 
