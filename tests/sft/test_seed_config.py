@@ -194,3 +194,22 @@ def test_seed_lora_config_trains_end_to_end(tiny_dirs, tmp_path):
     adapter = json.loads((tmp_path / "export" / "policy" / "adapter_config.json").read_text())
     assert adapter["r"] == 8 and adapter["lora_alpha"] == 16
     assert "lm_head" not in adapter["target_modules"] and "q_proj" in adapter["target_modules"]  # all-linear
+
+
+def test_no_max_length_means_no_truncation(tiny_dirs, tmp_path):
+    """SkyRL's default max_length (None): examples keep their full length, past tx's own default of 2048."""
+    from transformers import AutoTokenizer
+
+    rows = [json.loads(x) for x in Path(TRAIN).read_text().splitlines()[:4]]
+    rows.append({"messages": [{"role": "user", "content": "count"}, {"role": "assistant", "content": " word" * 2500}]})
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(None, [f"model.path={tiny_dirs['dense']}", f"dataset_name={data}", "model.lora.rank=4",
+                             "disable_cache=true", "num_steps=1"])
+    assert cfg.data.max_length is None and cfg.pack_length is None
+    trainer = SFTTrainer(cfg)
+    tok = AutoTokenizer.from_pretrained(tiny_dirs["dense"])
+    full = [len(tok(tok.apply_chat_template(r["messages"], tokenize=False), add_special_tokens=False).input_ids) - 1
+            for r in rows]
+    assert [len(e.input_ids) for e in trainer.train] == full and max(full) > 2500
+    assert trainer.backend.max_seq_len == trainer.backend.model.config.max_position_embeddings
