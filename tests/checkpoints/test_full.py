@@ -158,8 +158,9 @@ def test_export_loads_in_transformers_and_tx(tiny_dirs, tmp_path, name, mesh, sm
         assert json.loads((hf_dir / "config.json").read_text())["dtype"] == "float32"
         assert (hf_dir / "tokenizer.json").exists() and (hf_dir / "generation_config.json").exists()
         exported, base = SafetensorsDir(hf_dir), SafetensorsDir(base_dir)
-        assert sorted(exported.keys()) == sorted(base.keys())  # names and shapes of the released layout
-        assert all(exported.shape(k) == base.shape(k) for k in base.keys())
+        names = sorted(base.keys())
+        assert sorted(exported.keys()) == names  # names and shapes of the released layout
+        assert all(exported.shape(k) == base.shape(k) for k in names)
 
         hf, info = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, output_loading_info=True)
         assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
@@ -180,6 +181,5 @@ def test_export_refuses_another_base(tiny_dirs, tmp_path):
     with pytest.raises(ValueError, match="describes"):
         full.export_hf_model(tmp_path / "out", model, tiny_dirs["moe"])
     (tmp_path / "junk.tar").write_bytes(b"not a tar")
-    with pytest.raises(CheckpointError, match="not a readable tar"):
-        with full.open_sampler_model(tmp_path / "junk.tar"):
-            pass
+    with pytest.raises(CheckpointError, match="not a readable tar"), full.open_sampler_model(tmp_path / "junk.tar"):
+        pass

@@ -23,9 +23,10 @@ import shutil
 import tarfile
 import tempfile
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -143,7 +144,7 @@ def load_full_checkpoint(path, params_target: Any, opt_target: Any | None = None
         for group, target in abstract.items():
             try:
                 restored[group] = ocp.StandardCheckpointer().restore((local / group).absolute(), target) if target else {}
-            except Exception as e:  # noqa: BLE001 - orbax raises many types for damaged files
+            except Exception as e:  # orbax raises many types for damaged files
                 raise CheckpointError(f"checkpoint at {path} could not be read ({group}): {str(e)[:300]}") from e
 
     def rebuild(group: str):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import ml_dtypes
 import numpy as np
@@ -132,6 +132,7 @@ def write_streaming(
                                  f"writing {current!r} ({dtype}, {left} bytes left)")
             f.write(arr.reshape(-1).view(np.uint8).data)
             left -= arr.nbytes
+            del arr  # not held while the next block is produced
         rest = [n for n, _, size in pending if size] + ([current] if left else [])
         if rest:
             raise ValueError(f"{path}: no data given for tensors {rest[:3]}")
