@@ -45,7 +45,6 @@ from tx.models.sharding import to_host
 
 FORMAT = "tx-full-checkpoint-v1"
 SAMPLER_FORMAT = "tx-full-sampler-v1"
-GROUPS = ("params", "opt_state")
 RESERVED = ("format", "step", "tensors")  # metadata keys this module writes itself
 DEFAULT_SHARD_BYTES = 5 * 10**9  # per safetensors file, as transformers' save_pretrained
 DEFAULT_CHUNK_BYTES = 256 * 2**20  # largest block gathered to the host at once
