@@ -25,8 +25,17 @@ from tx.models.config import ModelConfig
 from tx.models.loading import resolve_model_dir
 from tx.models.safetensors_io import SafetensorsDir, save_file
 
-COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-          "special_tokens_map.json", "vocab.json", "merges.txt", "model.safetensors.index.json")
+# Files of a model directory besides config and weights: generation defaults and the tokenizer.
+SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+              "special_tokens_map.json", "vocab.json", "merges.txt")
+COPIED = ("config.json", *SIDE_FILES, "model.safetensors.index.json")
+
+
+def copy_files(base_dir: Path, out_dir: Path, names: tuple[str, ...] = COPIED) -> None:
+    """Copy those of `names` that `base_dir` has into `out_dir`."""
+    for name in names:
+        if (base_dir / name).exists():
+            shutil.copyfile(base_dir / name, out_dir / name)
 
 
 def _deltas(adapter_dir: Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -74,9 +83,7 @@ def merge(base_model: str, adapter: str, out_dir: Path) -> int:
                 changed += 1
             tensors[name] = np.asarray(tensor)
         save_file(tensors, out_dir / shard.name)
-    for name in COPIED:
-        if (base_dir / name).exists():
-            shutil.copyfile(base_dir / name, out_dir / name)
+    copy_files(base_dir, out_dir)
     return changed
 
 

@@ -196,8 +196,10 @@ def sweep(root: str | os.PathLike, older_than_s: float = 3600.0) -> list[Path]:
     return removed
 
 
-def pack_tar(source_dir: Path, out_file: Path) -> None:
-    with tarfile.open(out_file, "w:gz") as tar:
+def pack_tar(source_dir: Path, out_file: Path, compress: bool = True) -> None:
+    """Tar the entries of `source_dir`; gzip unless `compress=False` (model weights barely compress, and
+    gzip would be the slowest step of saving a full model)."""
+    with tarfile.open(out_file, "w:gz" if compress else "w") as tar:
         for item in sorted(source_dir.iterdir()):
             tar.add(item, arcname=item.name)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 
 import ml_dtypes
@@ -88,20 +89,50 @@ class SafetensorsDir:
 
 def save_file(tensors: dict[str, np.ndarray], path: str | Path, metadata: dict[str, str] | None = None) -> None:
     """Write tensors (any dtype in the table, bfloat16 included) as one safetensors file."""
+    arrays = {name: np.asarray(arr) for name, arr in tensors.items()}
+    layout = [(name, arr.dtype, arr.shape) for name, arr in arrays.items()]
+    write_streaming(path, layout, arrays.items(), metadata)
+
+
+def write_streaming(
+    path: str | Path,
+    layout: list[tuple[str, np.dtype, tuple[int, ...]]],
+    blocks: Iterable[tuple[str, np.ndarray]],
+    metadata: dict[str, str] | None = None,
+) -> None:
+    """Write one safetensors file whose tensors (`layout`: name, dtype, shape, in file order) arrive as
+    `blocks`: (name, array) pieces in that order, each tensor's pieces concatenating (C order) to its
+    bytes, e.g. row ranges. Only one piece is in memory at a time, so a file can be larger than RAM."""
     header: dict = {"__metadata__": metadata or {"format": "pt"}}
     offset = 0
-    arrays = []
-    for name, arr in tensors.items():
-        arr = np.ascontiguousarray(arr)
-        if arr.dtype not in _NAMES:
-            raise ValueError(f"tensor {name!r}: dtype {arr.dtype} cannot be written to safetensors")
-        header[name] = {"dtype": _NAMES[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
-        arrays.append(arr)
+    sizes = []
+    for name, dtype, shape in layout:
+        dtype = np.dtype(dtype)
+        if dtype not in _NAMES:
+            raise ValueError(f"tensor {name!r}: dtype {dtype} cannot be written to safetensors")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        header[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        sizes.append((name, dtype, nbytes))
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+    pending = iter(sizes)
+    current, left = None, 0
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for arr in arrays:
-            f.write(arr.tobytes())
+        for name, arr in blocks:
+            arr = np.ascontiguousarray(arr)
+            while left == 0 and name != current:  # the previous tensor is complete: on to the next
+                current, dtype, left = next(pending, (None, None, 0))
+                if current is None:
+                    raise ValueError(f"{path}: block of {name!r} is not in the layout (or comes after its tensor)")
+            if name != current or arr.dtype != dtype or arr.nbytes > left:
+                raise ValueError(f"{path}: got a block of {name!r} ({arr.dtype}, {arr.nbytes} bytes) while "
+                                 f"writing {current!r} ({dtype}, {left} bytes left)")
+            f.write(arr.reshape(-1).view(np.uint8).data)
+            left -= arr.nbytes
+            del arr  # not held while the next block is produced
+        rest = [n for n, _, size in pending if size] + ([current] if left else [])
+        if rest:
+            raise ValueError(f"{path}: no data given for tensors {rest[:3]}")
