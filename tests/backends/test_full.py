@@ -88,19 +88,24 @@ def assert_close(got: dict, want: dict, rel: float, what: str):
         assert err <= rel * scale, f"{what} {name}: max|diff| {err:.3g} > {rel} * max|ref| {scale:.3g}"
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_full_steps_match_torch_adamw(tiny_dirs, kind):
+MESH_222 = dict(fully_sharded_data_parallel_size=2, expert_parallel_size=2, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("kind,mesh", [("dense", {}), ("moe", {}), ("moe", MESH_222)], ids=["dense", "moe", "moe-222"])
+def test_full_steps_match_torch_adamw(tiny_dirs, kind, mesh):
     """Gradient sums after one forward_backward, then the weights after 1 and 3 optim_steps on the same batch,
     equal transformers + torch.optim.AdamW (same lr, betas, eps, weight decay, clip_grad_norm_) to 1e-5 of each
-    tensor's scale in float32. MoE: router and scanned per-layer expert kernels included."""
-    datums = weighted_datums(0, [11, 7, 5])
-    backend = new_backend(tiny_dirs[kind])
+    tensor's scale in float32. MoE: router and scanned per-layer expert kernels included. The (2, 2, 2) mesh on
+    8 CPU devices meets the same 1e-5 bound after one step, so it equals one device to 2e-5; its Adam moments
+    are sharded like the weights."""
+    datums = weighted_datums(0, [11, 7, 5, 4])
+    backend = new_backend(tiny_dirs[kind], **mesh)
     hf = AutoModelForCausalLM.from_pretrained(tiny_dirs[kind], dtype=torch.float32)
     params = dict(hf.named_parameters())
     before = {k: v.detach().numpy().copy() for k, v in params.items()}
     opt = torch.optim.AdamW(params.values(), lr=ADAM["learning_rate"], betas=(ADAM["beta1"], ADAM["beta2"]),
                             eps=ADAM["eps"], weight_decay=ADAM["weight_decay"])
-    for step in range(3):
+    for step in range(1 if mesh else 3):  # the (2, 2, 2) mesh: one step (its compile is the cost)
         out = backend.forward_backward(make_batch([ce("r", datums)]))["r"]
         opt.zero_grad()
         loss = torch_sum_loss(hf, datums)
@@ -113,22 +118,40 @@ def test_full_steps_match_torch_adamw(tiny_dirs, kind):
         opt.step()
         metrics = backend.optim_step("m", types.OptimStepInput(adam_params=types.AdamParams(**ADAM))).metrics
         assert metrics["grad_clip_scale"] < 1  # clipping is exercised
-        if step in (0, 2):
+        if step in (0, 2) or mesh:
             want = {k: v.detach().numpy() for k, v in params.items()}
             got = as_hf(weights_of(backend), backend)
             assert_close(got, want, 1e-5, f"weights after {step + 1} steps")
     moved = max(np.abs(want[k] - before[k]).max() for k in want)
     assert moved > 1e-3  # the weights moved ~100x the tolerance (lr 1e-3 per step)
+    mu, params = backend.opt_state_of("m")[0].mu, backend.master_weights("m")
+    for (_, m), (_, p) in zip(nnx.to_flat_state(mu), nnx.to_flat_state(params)):
+        assert m.get_value().sharding.is_equivalent_to(p.get_value().sharding, p.get_value().ndim)
 
 
-def test_one_model_at_a_time_and_delete_restores_base(tiny_dirs):
+def sample_batch(model_id, prompt):
+    params = types.SamplingParams(max_tokens=4, temperature=0.0, stop=[])
+    return types.PreparedSampleBatch(all_prompts=[prompt], all_sampling_params=[params], all_model_ids=[model_id],
+                                     all_checkpoint_ids=[""], all_checkpoint_paths=[""],
+                                     request_batch_slices=[("s", model_id, 0, 1, True, 0)])
+
+
+def test_one_model_base_sampling_refused_trained_sampling_and_delete_restores_base(tiny_dirs):
+    """A second create_model names the live model; sampling "" is refused; sampling the model reads its trained
+    weights; delete_model restores the base weights bit for bit (a fresh backend's forward log-probs)."""
     backend = new_backend(tiny_dirs["dense"])
     with pytest.raises(ValueError, match="model 'm' is live"):
         backend.create_model("n", types.LoraConfig(rank=1))
+    refused = backend.sample(sample_batch("", [1, 2, 3]))["s"]
+    assert isinstance(refused, types.ErrorResponse) and "base model (model id '') cannot be sampled" in refused.error
     datums = weighted_datums(1, [9, 6])
     backend.forward_backward(make_batch([ce("r", datums)]))
     backend.optim_step("m", types.OptimStepInput(adam_params=types.AdamParams(**ADAM)))
     trained = backend.forward(make_batch([ce("f", datums)]))["f"].loss_fn_outputs[0]["logprobs"].to_numpy()
+    # sampling reads the trained weights: prompt_logprobs[i] scores prompt token i, forward's logprobs[i-1]
+    out = backend.sample(sample_batch("m", datums[0]["input_ids"]))["s"]
+    assert isinstance(out, types.SampleOutput) and len(out.sequences[0].tokens) == 4, out
+    np.testing.assert_allclose(np.asarray(out.prompt_logprobs[1:], np.float32), trained[:-1], atol=2e-5)
     backend.delete_model("m")
     assert not backend.has_model("m")
     gone = backend.forward_backward(make_batch([ce("r", datums)]))["r"]
@@ -157,41 +180,22 @@ def test_unknown_ids_and_config_errors(tiny_dirs):
     assert backend_class(FP32) is FullBackend and backend_class(tx.JaxBackendConfig()) is tx.JaxBackend
 
 
-def sample_batch(model_id, prompt):
-    params = types.SamplingParams(max_tokens=4, temperature=0.0)
-    return types.PreparedSampleBatch(all_prompts=[prompt], all_sampling_params=[params], all_model_ids=[model_id],
-                                     all_checkpoint_ids=[""], all_checkpoint_paths=[""],
-                                     request_batch_slices=[("s", model_id, 0, 1, True, 0)])
-
-
-def test_sampling_uses_trained_weights_and_base_is_refused(tiny_dirs):
-    backend = new_backend(tiny_dirs["dense"])
-    refused = backend.sample(sample_batch("", [1, 2, 3]))["s"]
-    assert isinstance(refused, types.ErrorResponse) and "base model (model id '') cannot be sampled" in refused.error
-    datums = weighted_datums(3, [8])
-    for _ in range(2):
-        backend.forward_backward(make_batch([ce("r", datums)]))
-        backend.optim_step("m", types.OptimStepInput(adam_params=types.AdamParams(**{**ADAM, "learning_rate": 1e-2})))
-    prompt = datums[0]["input_ids"]
-    out = backend.sample(sample_batch("m", prompt))["s"]
-    assert isinstance(out, types.SampleOutput), out
-    forward = backend.forward(make_batch([ce("f", datums)]))["f"].loss_fn_outputs[0]["logprobs"].to_numpy()
-    # prompt_logprobs[i] scores prompt token i given the tokens before it: forward's logprobs shifted by one
-    np.testing.assert_allclose(np.asarray(out.prompt_logprobs[1:], np.float32), forward[:-1], atol=2e-5)
-
-
 def test_gradient_accumulation_across_calls_equals_one_call(tiny_dirs):
-    a, b = weighted_datums(4, [10]), weighted_datums(5, [6, 3])
-    split, joint = new_backend(tiny_dirs["moe"]), new_backend(tiny_dirs["moe"])
-    split.forward_backward(make_batch([ce("r1", a)]))
-    split.forward_backward(make_batch([ce("r2", b)]))
-    joint.forward_backward(make_batch([ce("r", a + b)]))
-    got, want = split.grad_sum_of("m"), joint.grad_sum_of("m")
-    assert_close(got, want, 1e-5, "accumulated gradient")
-    steps = [x.optim_step("m", types.OptimStepInput(adam_params=types.AdamParams(**ADAM))).metrics
-             for x in (split, joint)]
-    assert steps[0]["accumulated_sequences"] == steps[1]["accumulated_sequences"] == 3
-    assert all(np.all(v == 0) for v in split.grad_sum_of("m").values())  # the step consumed the sums
+    """Two forward_backward calls sum into the same float32 gradient sums as one call with both datums (here
+    split into two micro-batches by train_micro_batch_size=2), to 1e-5."""
+    backend = new_backend(tiny_dirs["dense"], train_micro_batch_size=2)
+    a, b = weighted_datums(4, [10, 12]), weighted_datums(5, [6, 3])
+    backend.forward_backward(make_batch([ce("r1", a)]))
+    backend.forward_backward(make_batch([ce("r2", b)]))
+    split = backend.grad_sum_of("m")
+    before = weights_of(backend)
+    no_op = types.AdamParams(**{**ADAM, "learning_rate": 0.0, "weight_decay": 0.0})
+    metrics = backend.optim_step("m", types.OptimStepInput(adam_params=no_op)).metrics
+    assert metrics["accumulated_sequences"] == 4
+    assert all(np.array_equal(before[k], v) for k, v in weights_of(backend).items())  # lr 0: weights kept
+    assert all(np.all(v == 0) for v in backend.grad_sum_of("m").values())  # the step consumed the sums
+    backend.forward_backward(make_batch([ce("r", a + b)]))
+    assert_close(split, backend.grad_sum_of("m"), 1e-5, "accumulated gradient")
 
 
 def test_bf16_params_keep_float32_masters_and_moments(tiny_dirs):
@@ -208,23 +212,6 @@ def test_bf16_params_keep_float32_masters_and_moments(tiny_dirs):
     for k, m in masters.items():
         assert str(model[k].dtype) == "bfloat16"
         assert np.array_equal(model[k], m.astype(model[k].dtype))  # the model computes with bf16(master)
-
-
-def test_sharded_full_training_equals_single_device(tiny_dirs):
-    datums = weighted_datums(7, [12, 5, 9, 4])
-    single = new_backend(tiny_dirs["moe"])
-    sharded = new_backend(tiny_dirs["moe"], fully_sharded_data_parallel_size=2, expert_parallel_size=2,
-                          tensor_parallel_size=2)
-    for backend in (single, sharded):
-        for _ in range(2):
-            backend.forward_backward(make_batch([ce("r", datums)]))
-            backend.optim_step("m", types.OptimStepInput(adam_params=types.AdamParams(**ADAM)))
-    assert_close(weights_of(sharded), weights_of(single), 2e-5, "sharded weights")
-    # the moments are sharded like the weights they belong to
-    mu = sharded.opt_state_of("m")[0].mu
-    params = sharded.master_weights("m")
-    for (_, m), (_, p) in zip(nnx.to_flat_state(mu), nnx.to_flat_state(params)):
-        assert m.get_value().sharding.is_equivalent_to(p.get_value().sharding, p.get_value().ndim)
 
 
 def test_state_bytes_are_split_over_fsdp(tiny_dirs):
