@@ -177,6 +177,10 @@ def test_unknown_ids_and_config_errors(tiny_dirs):
         tx.JaxBackendConfig(mixed_precision={"param_dtype": "fp32"})
     with pytest.raises(ValueError, match="dtype='float32'"):
         tx.JaxBackendConfig(training_mode="full", dtype="float32")
+    shorthand = tx.JaxBackendConfig(training_mode="full", mixed_precision="fp32").mixed_precision  # the CLI flag
+    assert shorthand.param_dtype == "fp32" and shorthand.reduce_dtype == "fp32"
+    with pytest.raises(ValueError, match="param_dtype"):
+        tx.JaxBackendConfig(training_mode="full", mixed_precision="fp16")
     assert backend_class(FP32) is FullBackend and backend_class(tx.JaxBackendConfig()) is tx.JaxBackend
 
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # 16k padded tokens per call: the issue asks one 16,384-token row to train in <= 6 GB (blockwise attention,
 # remat), so a call of this size fits wherever that row fits, while [rows, t] matmuls of 16k tokens already
@@ -91,6 +92,14 @@ class JaxBackendConfig(BaseModel):
     )
     coordinator_address: str | None = Field(None, description="host:port of process 0 (multi-host)")
     num_processes: int | None = Field(None, ge=1, description="number of processes (multi-host)")
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _param_dtype_shorthand(cls, value):
+        """`--mixed-precision fp32` (a flag's string) means {"param_dtype": "fp32"}; a JSON object string too."""
+        if isinstance(value, str):
+            return json.loads(value) if value.lstrip().startswith("{") else {"param_dtype": value}
+        return value
 
     @model_validator(mode="after")
     def _full_mode_fields(self) -> JaxBackendConfig:
