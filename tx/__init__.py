@@ -1,6 +1,7 @@
 """tx: post-train LLMs with many LoRA adapters at once, on JAX.
 
-Public names: `tx.AbstractBackend`, `tx.JaxBackend`, `tx.JaxBackendConfig`, `tx.types`, `tx.losses`.
+Public names: `tx.AbstractBackend`, `tx.JaxBackend`, `tx.FullBackend` (training_mode="full"), `tx.JaxBackendConfig`,
+`tx.types`, `tx.losses`.
 """
 
 import logging
@@ -14,6 +15,7 @@ from tx import losses, types  # noqa: E402
 from tx.backends.base import AbstractBackend  # noqa: E402
 from tx.backends.config import JaxBackendConfig  # noqa: E402
 from tx.backends.jax import JaxBackend  # noqa: E402
+from tx.backends.full import FullBackend  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["AbstractBackend", "JaxBackend", "JaxBackendConfig", "losses", "types", "__version__"]
+__all__ = ["AbstractBackend", "FullBackend", "JaxBackend", "JaxBackendConfig", "losses", "types", "__version__"]

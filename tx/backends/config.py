@@ -2,14 +2,30 @@
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # 16k padded tokens per call: the issue asks one 16,384-token row to train in <= 6 GB (blockwise attention,
 # remat), so a call of this size fits wherever that row fits, while [rows, t] matmuls of 16k tokens already
 # keep an accelerator busy: bigger calls would gain little speed and risk memory.
 DEFAULT_MICRO_BATCH_TOKENS = 16384
+
+
+class MixedPrecisionConfig(BaseModel):
+    """Full training's precision policy, with the seed's MixedPrecisionConfig names and values."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    param_dtype: Literal["bf16", "fp32"] = Field(
+        "bf16", description="dtype the model computes (forward, backward, sampling) in; with 'bf16' the optimizer "
+        "keeps float32 master weights and writes a bf16 copy into the model after each step"
+    )
+    reduce_dtype: Literal["fp32"] = Field("fp32", description="dtype of the gradient sums (across micro-batches "
+                                          "and forward_backward calls)")
+    buffer_dtype: Literal["fp32"] = Field("fp32", description="accepted for the seed's configs: RMSNorm statistics "
+                                          "and log-probs are always float32 here")
 
 
 class JaxBackendConfig(BaseModel):
@@ -66,5 +82,30 @@ class JaxBackendConfig(BaseModel):
     )
     loss_chunk_size: int = Field(1024, ge=1, description="tokens per chunk of the log-prob computation")
     dtype: Literal["float32", "bfloat16"] | None = Field(None, description="base weight dtype (default: checkpoint's)")
+    training_mode: Literal["lora", "full"] = Field(
+        "lora", description="'lora': many tenants' adapters over frozen base weights (JaxBackend); 'full': one model "
+        "at a time trains every base weight (tx.backends.full.FullBackend)"
+    )
+    mixed_precision: MixedPrecisionConfig | None = Field(
+        None, description="training_mode='full' only: parameter and gradient-sum dtypes (default: the seed's, bf16 "
+        "params with float32 masters and float32 gradient sums)"
+    )
     coordinator_address: str | None = Field(None, description="host:port of process 0 (multi-host)")
     num_processes: int | None = Field(None, ge=1, description="number of processes (multi-host)")
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _param_dtype_shorthand(cls, value):
+        """`--mixed-precision fp32` (a flag's string) means {"param_dtype": "fp32"}; a JSON object string too."""
+        if isinstance(value, str):
+            return json.loads(value) if value.lstrip().startswith("{") else {"param_dtype": value}
+        return value
+
+    @model_validator(mode="after")
+    def _full_mode_fields(self) -> JaxBackendConfig:
+        if self.training_mode == "lora" and self.mixed_precision is not None:
+            raise ValueError("mixed_precision applies to training_mode='full' only (training_mode='lora')")
+        if self.training_mode == "full" and self.dtype is not None:
+            raise ValueError(f"dtype={self.dtype!r}: with training_mode='full' the parameter dtype is "
+                             "mixed_precision.param_dtype")
+        return self

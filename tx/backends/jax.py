@@ -37,13 +37,19 @@ logger = logging.getLogger(__name__)
 
 
 class JaxBackend(CheckpointMixin, AbstractBackend):
+    training_mode = "lora"  # the config's training_mode this class serves (FullBackend: "full")
+
     def __init__(self, base_model: str, config: JaxBackendConfig | None = None, run_id: str | None = None):
         self.base_model = base_model
         # Names this backend creates (checkpoint versions) are run_id + a counter: equal on every host
         # when the coordinator hands all hosts the same run_id.
         self.run_id = run_id or uuid.uuid4().hex[:8]
         self._names = 0
-        self.config = config = config or JaxBackendConfig()
+        self.config = config = config or JaxBackendConfig(training_mode=self.training_mode)
+        if config.training_mode != self.training_mode:
+            raise ValueError(f"training_mode={config.training_mode!r} is served by "
+                             f"{'tx.backends.full.FullBackend' if config.training_mode == 'full' else 'JaxBackend'}, "
+                             f"not {type(self).__name__}")
         fsdp = config.fully_sharded_data_parallel_size
         n = fsdp * config.expert_parallel_size * config.tensor_parallel_size
         if n > len(jax.devices()):
@@ -58,16 +64,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
             )
         self.mesh = make_mesh(fsdp, config.expert_parallel_size, config.tensor_parallel_size, jax.devices()[:n])
         self.model_dir = resolve_model_dir(base_model)
-        self.model = load_model(
-            self.model_dir,
-            LoraSlots(max_lora_adapters=config.max_lora_adapters, max_lora_rank=config.max_lora_rank),
-            self.mesh,
-            dtype=config.dtype,
-            remat_policy=config.remat_policy if config.gradient_checkpointing else "none",
-            attention_impl=config.attention_impl,
-            moe_impl=config.moe_impl,
-            shard_attention_heads=config.shard_attention_heads,
-        )
+        self.model = self._load_base()
         self.max_seq_len = config.max_seq_len or self.model.config.max_position_embeddings
         self.models: dict[str, types.ModelMetadata] = {}
         self._opt_states: dict[str, Any] = {}
@@ -80,6 +77,25 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         self._fns: dict[Any, Callable] = {}
         self._planned_shapes: dict[str, set[tuple[int, int]]] = {}  # per pass: micro-batch shapes planned so far
         self._sampler = Sampler(self, self.model_dir)
+
+    def _load_base(self, dtype: str | None = None, **kw) -> nnx.Module:
+        """The base model from `model_dir` on the mesh, with this backend's LoRA slots and kernels."""
+        config = self.config
+        return load_model(
+            self.model_dir,
+            LoraSlots(max_lora_adapters=config.max_lora_adapters, max_lora_rank=config.max_lora_rank),
+            self.mesh,
+            dtype=dtype or config.dtype,
+            remat_policy=config.remat_policy if config.gradient_checkpointing else "none",
+            attention_impl=config.attention_impl,
+            moe_impl=config.moe_impl,
+            shard_attention_heads=config.shard_attention_heads,
+            **kw,
+        )
+
+    def _split_trainable(self) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+        """(graphdef, what forward_backward differentiates, everything else): here the LoRA factors."""
+        return split_model(self.model)
 
     # ---- bookkeeping ----
 
@@ -110,6 +126,10 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
             raise KeyError(f"unknown model_id {model_id!r}")
         return self.models[model_id].adapter_index
 
+    def _sample_slot(self, model_id: str) -> int:
+        """The slot a sampling row of `model_id` reads ("" = the base model, slot 0)."""
+        return self._slot(model_id) if model_id else 0
+
     def debug_fail(self, message: str, process_ids: list[int], phase: str = "execute") -> None:
         """Fault injection for multi-host tests: raise `message` on the listed processes."""
         if phase == "execute" and jax.process_index() in process_ids:
@@ -124,6 +144,8 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         if slot is not None:
             self._grad_sum = zero_slot(self._grad_sum, jnp.int32(slot))  # in place: the old sums are donated
         self._accumulated[model_id] = {"sequences": 0, "tokens": 0}
+
+    _grad_dtype = None  # dtype of a call's gradients (None: the parameters')
 
     def has_model(self, model_id: str) -> bool:
         return model_id in self.models
@@ -213,10 +235,10 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         if not rows:
             return results
         name = "forward_backward" if with_grad else "forward"
-        graphdef, lora, frozen = split_model(self.model)
+        graphdef, lora, frozen = self._split_trainable()
         fns = {
             mode: self._fn((mode, losses.names(), losses.config_keys()), lambda mode=mode: make_model_pass(
-                graphdef, self.config.loss_chunk_size, mode, self._counted(name)))
+                graphdef, self.config.loss_chunk_size, mode, self._counted(name), self._grad_dtype))
             for mode in (("grads", "accumulate") if with_grad else ("forward",))
         }
         fsdp = self.mesh.shape["fsdp"]

@@ -176,7 +176,7 @@ class Sampler:
                     raise ValueError(message) from e
                 pinned.add(slot)
                 return slot
-            return backend._slot(model_id) if model_id else 0
+            return backend._sample_slot(model_id)
 
         rows, errors = validate(batch, adapter_of, limits)
         results: dict[str, types.SampleOutput | types.ErrorResponse] = {

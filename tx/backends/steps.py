@@ -43,8 +43,9 @@ def make_model_pass(
     chunk_size: int,
     mode: str,
     on_trace: Callable[[], None],
+    grad_dtype: Any = None,
 ) -> Callable:
-    """The jitted pass of one micro-batch, by `mode`:
+    """The jitted pass of one micro-batch, by `mode` (gradients cast to `grad_dtype` when given):
 
     - "forward":    `(lora, frozen, batch) -> (target_logprobs [b, t, K], per_token_loss [b, t])`
     - "grads":      `(lora, frozen, batch) -> (grads, tlp, loss)`: the first micro-batch of a call
@@ -74,6 +75,8 @@ def make_model_pass(
     def grads(lora, frozen, batch):
         on_trace()
         (_, (tlp_bt, loss_bt)), g = jax.value_and_grad(summed_loss, has_aux=True)(lora, frozen, batch)
+        if grad_dtype is not None:
+            g = jax.tree.map(lambda x: x.astype(grad_dtype), g)
         return g, tlp_bt, loss_bt
 
     def accumulate(lora, frozen, acc, batch):

@@ -179,12 +179,13 @@ def build_abstract(
     remat_policy: str = "none",
     attention_impl: str = "auto",
     moe_impl: str = "auto",
+    experts_whole: bool = True,
 ) -> nnx.Module:
     cls = model_class(cfg.architecture)
     return nnx.eval_shape(
         lambda: cls(
             cfg, slots, dtype=dtype, remat_policy=remat_policy, attention_impl=attention_impl, moe_impl=moe_impl,
-            rngs=nnx.Rngs(0),
+            experts_whole=experts_whole, rngs=nnx.Rngs(0),
         )
     )
 
@@ -199,14 +200,16 @@ def load_model(
     attention_impl: str = "auto",
     moe_impl: str = "auto",
     shard_attention_heads: bool = True,
+    experts_whole: bool = True,
 ) -> nnx.Module:
-    """Load an HF Qwen3 / Qwen3-MoE checkpoint onto `mesh` (default: one device) with empty LoRA slots."""
+    """Load an HF Qwen3 / Qwen3-MoE checkpoint onto `mesh` (default: one device) with empty LoRA slots.
+    `experts_whole=False`: MoE expert kernels are scanned per layer (full fine-tuning trains them)."""
     model_dir = resolve_model_dir(name_or_path)
     cfg = ModelConfig.from_dir(model_dir)
     slots = slots or LoraSlots()
     mesh = mesh or make_mesh(devices=jax.devices()[:1])
     abstract = build_abstract(cfg, slots, dtype=dtype, remat_policy=remat_policy, attention_impl=attention_impl,
-                              moe_impl=moe_impl)
+                              moe_impl=moe_impl, experts_whole=experts_whole)
     graphdef, state = nnx.split(abstract)
     files = SafetensorsDir(model_dir)
     loaded = {}

@@ -71,9 +71,13 @@ def _is_expert_kernel(path, _value) -> bool:
 class DecoderStack(nnx.Module):
     """Consecutive layers of one kind, weights stacked on a leading axis, applied with `lax.scan`."""
 
-    def __init__(self, cfg: ModelConfig, layer_ids: tuple[int, ...], *, moe: bool, remat_policy: str, **kw):
+    def __init__(
+        self, cfg: ModelConfig, layer_ids: tuple[int, ...], *, moe: bool, remat_policy: str, experts_whole: bool = True,
+        **kw,
+    ):
         self.layer_ids = layer_ids
         self.moe = moe
+        self.experts_whole = experts_whole
         self.remat_policy = remat_policy
         self.layer = DecoderLayer(cfg, moe=moe, stack=(len(layer_ids),), **kw)
 
@@ -82,7 +86,9 @@ class DecoderStack(nnx.Module):
         updated `[L, b, s, kv, d]` cache pair when `cache = (k, v, write_pos_b)` is given (decode)."""
         # MoE expert kernels stay whole ([L, E, in, out], closed over) and each step passes its layer index:
         # scanning over them would copy every layer's expert slice (GBs per layer at real shapes).
-        if self.moe:
+        # When the expert kernels are trained (full fine-tuning) they are scanned like every other weight:
+        # a closed-over whole kernel would get a whole-stack-sized gradient per layer in the backward pass.
+        if self.moe and self.experts_whole:
             graphdef, whole, state = nnx.split(self.layer, _is_expert_kernel, ...)
         else:
             (graphdef, state), whole = nnx.split(self.layer), None
@@ -154,8 +160,10 @@ class Qwen3ForCausalLM(nnx.Module):
         remat_policy: str = "none",
         attention_impl: str = "auto",
         moe_impl: str = "auto",
+        experts_whole: bool = True,
         rngs: nnx.Rngs,
     ):
+        """`experts_whole=False` scans MoE expert kernels per layer (for training them; see DecoderStack)."""
         dtype = jnp.dtype(dtype or cfg.dtype)
         self.config = cfg
         self.slots = slots
@@ -165,8 +173,8 @@ class Qwen3ForCausalLM(nnx.Module):
         self.stacks = nnx.List(
             [
                 DecoderStack(
-                    cfg, ids, moe=moe, remat_policy=remat_policy, dtype=dtype, slots=slots, moe_impl=moe_impl,
-                    rngs=rngs,
+                    cfg, ids, moe=moe, remat_policy=remat_policy, experts_whole=experts_whole, dtype=dtype,
+                    slots=slots, moe_impl=moe_impl, rngs=rngs,
                 )
                 for moe, ids in layer_groups(cfg)
             ]
