@@ -247,20 +247,7 @@ class FullBackend(JaxBackend):
         else:
             self._master = master
             nnx.update(self.model, compute)
-        if not bool(to_host(ok)):
-            raise ValueError(
-                f"optim_step of model {model_id!r} refused: the update is not finite in float32 "
-                f"(learning_rate={request_data.adam_params.learning_rate}, "
-                f"grad_norm={float(to_host(metrics['grad_norm']))}); weights, Adam state and gradient sums "
-                "are unchanged")
-        acc = self._accumulated[model_id]
-        out = {k: float(to_host(v)) for k, v in metrics.items()}
-        out |= {"learning_rate": request_data.adam_params.learning_rate,
-                "accumulated_sequences": float(acc["sequences"]), "accumulated_tokens": float(acc["tokens"])}
-        self._accumulated[model_id] = {"sequences": 0, "tokens": 0}
-        meta = self.models[model_id]
-        self.models[model_id] = meta.model_copy(update={"optim_steps": meta.optim_steps + 1})
-        return types.OptimStepOutput(metrics=out)
+        return self._finish_step(model_id, request_data, metrics, ok)
 
     # ---- checkpoints: the full-state formats are wired in by the checkpoint integration ----
 

@@ -331,6 +331,11 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
             "optim_step", fn, lora, self._grad_sum, self._opt_states[model_id], jnp.int32(slot), hp
         )
         nnx.update(self.model, lora)
+        return self._finish_step(model_id, request_data, metrics, ok)
+
+    def _finish_step(self, model_id: str, request_data: types.OptimStepInput, metrics: dict,
+                     ok: jax.Array) -> types.OptimStepOutput:
+        """Refuse a step the device kept out (not finite), else report it and start the next accumulation."""
         if not bool(to_host(ok)):
             # The step kept weights, Adam state and gradient sums as they were: a retry may use a smaller lr.
             raise ValueError(
@@ -342,7 +347,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         out = {k: float(to_host(v)) for k, v in metrics.items()}
         out |= {"learning_rate": request_data.adam_params.learning_rate,
                 "accumulated_sequences": float(acc["sequences"]), "accumulated_tokens": float(acc["tokens"])}
-        self._reset_accumulation(model_id)  # the step itself zeroed the slot's gradient sums
+        self._reset_accumulation(model_id)  # the step itself zeroed the gradient sums
         meta = self.models[model_id]
         self.models[model_id] = meta.model_copy(update={"optim_steps": meta.optim_steps + 1})
         return types.OptimStepOutput(metrics=out)

@@ -36,7 +36,7 @@ from flax import nnx
 
 import tx
 from tx.checkpoints import storage
-from tx.checkpoints.training import CheckpointError, _flatten, base_signature
+from tx.checkpoints.training import CheckpointError, _flatten, base_signature, read_metadata
 from tx.export import SIDE_FILES, copy_files
 from tx.models.config import ModelConfig
 from tx.models.layers.lora import LoraA, LoraB
@@ -91,14 +91,7 @@ def save_full_checkpoint(path, params_state: Any, opt_state: Any, step: int, met
 
 
 def read_full_metadata(path) -> dict:
-    with storage.read_dir(path) as local:
-        meta_file = local / "metadata.json"
-        if not meta_file.exists():
-            raise CheckpointError(f"checkpoint at {path} has no metadata.json (corrupt or not a tx checkpoint)")
-        meta = json.loads(meta_file.read_text())
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint at {path} has format {meta.get('format')!r}, expected {FORMAT!r}")
-    return meta
+    return read_metadata(path, FORMAT)
 
 
 def abstract_state(tree: Any) -> Any:

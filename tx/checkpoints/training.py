@@ -73,14 +73,15 @@ def save(path, *, weights: Any, scales: Any, opt_state: Any, rank: int, metadata
             (local / "metadata.json").write_text(json.dumps(meta, indent=2))
 
 
-def read_metadata(path) -> dict:
+def read_metadata(path, fmt: str = FORMAT) -> dict:
+    """A tx checkpoint's metadata.json, checked to be of format `fmt` (LoRA training state by default)."""
     with storage.read_dir(path) as local:
         meta_file = local / "metadata.json"
         if not meta_file.exists():
             raise CheckpointError(f"checkpoint at {path} has no metadata.json (corrupt or not a tx checkpoint)")
         meta = json.loads(meta_file.read_text())
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint at {path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    if meta.get("format") != fmt:
+        raise CheckpointError(f"checkpoint at {path} has format {meta.get('format')!r}, expected {fmt!r}")
     return meta
 
 
