@@ -35,7 +35,8 @@ class TensorData(_Strict):
 class LoraConfig(_Strict):
     """One adapter's LoRA settings. Tinker's SDK sends rank, seed and the three train_* flags."""
 
-    rank: int = Field(32, ge=1, description="LoRA rank r (<= the backend's max_lora_rank)")
+    rank: int = Field(32, ge=0, description="LoRA rank r (<= the backend's max_lora_rank); 0 = full training "
+                      "(training_mode='full', which ignores the rank)")
     alpha: float = Field(32.0, gt=0, description="scaling numerator: the delta is (alpha / rank) * x A B")
     seed: int | None = Field(None, ge=-(2**63), lt=2**63,
                              description="seed of the A init (a 64-bit integer); None derives one from the model id")

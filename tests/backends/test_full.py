@@ -1,6 +1,6 @@
 """FullBackend (training_mode="full"): gradients and AdamW steps of every base weight against transformers +
 torch.optim.AdamW, one live model, restoring the base weights, base sampling refused, gradient
-accumulation, bf16 masters, and a (2, 2, 2) mesh against one device."""
+accumulation, bf16 masters, a (2, 2, 2) mesh against one device, exact resume and sampler saves."""
 
 import jax
 import numpy as np
@@ -13,6 +13,7 @@ import tx
 from tests.helpers import make_batch, random_datums
 from tx import types
 from tx.backends.full import FullBackend, backend_class, split_full
+from tx.checkpoints.full import open_sampler_model
 
 FP32 = tx.JaxBackendConfig(training_mode="full", max_seq_len=64, mixed_precision={"param_dtype": "fp32"})
 # eps well above float32 noise of the gradients (~1e-7): Adam divides by |g| + eps, so with a tiny eps an
@@ -227,3 +228,64 @@ def test_state_bytes_are_split_over_fsdp(tiny_dirs):
     assert one["params"] == one["grad_sums"] == 4 * n_params and one["adam"] >= 8 * n_params and one["masters"] == 0
     for kind in ("params", "grad_sums", "adam"):
         assert one[kind] / 2 <= two[kind] <= one[kind] / 2 + 0.02 * one[kind]
+
+
+def sample_path_batch(model_id, prompt, path):
+    batch = sample_batch(model_id, prompt)
+    return batch.model_copy(update={"all_checkpoint_paths": [path], "all_checkpoint_ids": [path]})
+
+
+def test_exact_resume_and_sampler_saves(tiny_dirs, tmp_path):
+    """bf16 params with float32 masters: save after step 1, a new backend loads it and takes steps 2 and 3 ==
+    the uninterrupted run, bit for bit (masters, model weights, Adam state). A sampler save samples the
+    live weights until they change, then is refused by name; a failed load changes nothing."""
+    config = tx.JaxBackendConfig(training_mode="full", max_seq_len=64)
+    hp = types.OptimStepInput(adam_params=types.AdamParams(**ADAM))
+    batches = [make_batch([ce("r", weighted_datums(10 + i, [8, 5]))]) for i in range(3)]
+
+    def run(backend, steps):
+        for b in steps:
+            backend.forward_backward(b)
+            backend.optim_step("m", hp)
+
+    first = FullBackend(tiny_dirs["dense"], config)
+    first.create_model("m", types.LoraConfig(rank=0))
+    run(first, batches[:1])
+    first.save_checkpoint(tmp_path / "ckpt", "m")
+    first.forward_backward(batches[1])  # accumulated but not stepped: not part of the checkpoint
+    resumed = FullBackend(tiny_dirs["dense"], config)
+    resumed.create_model("m", types.LoraConfig(rank=0))
+    resumed.forward_backward(batches[2])  # the load drops these sums
+    before = weights_of(resumed)
+    with pytest.raises(Exception, match="ckpt-missing"):
+        resumed.load_checkpoint(tmp_path / "ckpt-missing", "m")
+    assert all(np.array_equal(before[k], v) for k, v in weights_of(resumed).items())
+    resumed.load_checkpoint(tmp_path / "ckpt", "m")
+    assert resumed.models["m"].optim_steps == 1
+    assert all(np.all(v == 0) for v in resumed.grad_sum_of("m").values())
+    first.optim_step("m", hp)
+    run(first, batches[2:])
+    run(resumed, batches[1:])
+    for a, b in ((weights_of(first), weights_of(resumed)),
+                 (dict(enumerate(jax.tree.leaves(first.opt_state_of("m")))),
+                  dict(enumerate(jax.tree.leaves(resumed.opt_state_of("m"))))),
+                 (dict(enumerate(jax.tree.leaves(split_full(first.model)[1]))),
+                  dict(enumerate(jax.tree.leaves(split_full(resumed.model)[1]))))):
+        assert a.keys() == b.keys() and all(np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in a)
+
+    prompt = weighted_datums(1, [9])[0]["input_ids"]
+    live = first.sample(sample_batch("m", prompt))["s"]
+    first.save_sampler_checkpoint(str(tmp_path / "s1.tar"), "m", persist=True)
+    first.save_sampler_checkpoint(str(tmp_path / "s2"), "m", persist=False)
+    for path in ("s1.tar", "s2"):
+        out = first.sample(sample_path_batch("m", prompt, str(tmp_path / path)))["s"]
+        assert isinstance(out, types.SampleOutput) and out.sequences[0].tokens == live.sequences[0].tokens
+    with open_sampler_model(tmp_path / "s1.tar") as (hf_dir, meta):
+        assert meta["optim_steps"] == 3 and meta["model_id"] == "m"
+        assert (hf_dir / "model.safetensors.index.json").exists() and (hf_dir / "config.json").exists()
+    unknown = first.sample(sample_path_batch("m", prompt, str(tmp_path / "other")))["s"]
+    assert isinstance(unknown, types.ErrorResponse) and "not a save of them" in unknown.error
+    run(first, batches[:1])
+    stale = first.sample(sample_path_batch("m", prompt, str(tmp_path / "s1.tar")))["s"]
+    assert isinstance(stale, types.ErrorResponse) and "weights of step 3, which have changed since (now at step 4)" \
+        in stale.error

@@ -255,7 +255,9 @@ def test_slots_create_delete_and_errors(tiny_dirs):
     with pytest.raises(ValueError, match="LoRA rank 9 must be in"):
         backend.create_model("c", types.LoraConfig(rank=9))
     with pytest.raises(ValueError):
-        types.LoraConfig(rank=0)
+        types.LoraConfig(rank=-1)
+    with pytest.raises(ValueError, match="LoRA rank 0 means full training"):
+        backend.create_model("c", types.LoraConfig(rank=0))
     backend.create_model("c", types.LoraConfig(rank=2))
     with pytest.raises(ValueError, match="no free adapter slot: all 3 slots are in use"):
         backend.create_model("d", types.LoraConfig(rank=2))

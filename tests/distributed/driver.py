@@ -2,7 +2,8 @@
 
     python tests/distributed/driver.py SCENARIO MODEL_DIR OUT_JSON [COORDINATOR_ADDRESS NUM_PROCESSES]
 
-Scenarios: parity (every backend method; results written as JSON), faults (errors on workers, files
+Scenarios: parity (every backend method; results written as JSON), full_parity (the same for full
+fine-tuning: steps, forward, sampling, checkpoint save/load, sampler save), faults (errors on workers, files
 missing on the worker only, peers without the secret, then normal calls), one_sided (the worker fails
 inside a call while process 0 sits in its collective), stop (a SIGSTOPped worker), kill (a worker killed
 in the middle of a call).
@@ -32,8 +33,11 @@ from tx.distributed.auth import resolve_secret, split_address  # noqa: E402
 from tx.distributed.control import Coordinator, RemoteError, WorkerFailure  # noqa: E402
 
 SP = types.SamplingParams
-config = JaxBackendConfig(max_lora_adapters=5, max_lora_rank=4, max_seq_len=64, fully_sharded_data_parallel_size=2,
-                          expert_parallel_size=2, tensor_parallel_size=2)
+MESH = dict(fully_sharded_data_parallel_size=2, expert_parallel_size=2, tensor_parallel_size=2)
+if scenario == "full_parity":  # full fine-tuning: every base weight trained, float32
+    config = JaxBackendConfig(training_mode="full", mixed_precision="fp32", max_seq_len=64, **MESH)
+else:
+    config = JaxBackendConfig(max_lora_adapters=5, max_lora_rank=4, max_seq_len=64, **MESH)
 coordinator = None
 if multi:
     host, port = split_address(sys.argv[4])
@@ -140,6 +144,33 @@ if scenario == "parity":
     backend.delete_model("b")
     backend.create_model("d", types.LoraConfig(rank=2, alpha=4, seed=2, train_attn=False))
     results["recreated"] = forward_as({"b": "d"})
+elif scenario == "full_parity":
+    def step(seed):
+        batch = train_batch(seed)
+        batch.all_model_ids = ["m"] * len(batch.all_model_ids)
+        batch.request_batch_slices = [(r, "m", s, e) for r, _, s, e in batch.request_batch_slices]
+        loss = {k: v.metrics["loss:sum"] for k, v in backend.forward_backward(batch).items()}
+        adam = types.AdamParams(learning_rate=1e-3, weight_decay=0.1, grad_clip_norm=1.0)
+        return loss, backend.optim_step("m", types.OptimStepInput(adam_params=adam)).metrics["grad_norm"]
+
+    def sample_m(path=""):
+        batch = sample_batch(path)
+        batch.all_model_ids = ["m"] * 3
+        batch.request_batch_slices = [(r, "m", s, e, p, k) for r, _, s, e, p, k in batch.request_batch_slices]
+        return samples(backend.sample(batch))
+
+    backend.create_model("m", types.LoraConfig(rank=0))
+    results["step1"] = step(0)
+    results["forward"] = forward_as({"a": "m", "b": "m"})
+    results["sample"] = sample_m()
+    ckpt = os.path.join(os.path.dirname(out_path), f"full-ckpt-{os.getpid()}")
+    backend.save_checkpoint(ckpt, "m")
+    results["step2"] = step(1)
+    backend.load_checkpoint(ckpt, "m")
+    results["restored"] = forward_as({"a": "m", "b": "m"})
+    results["step2_again"] = step(1)
+    backend.save_sampler_checkpoint(ckpt + ".tar", "m")
+    results["sample_ckpt"] = sample_m(ckpt + ".tar")
 elif scenario == "faults":
     backend.create_model("a", types.LoraConfig(rank=4, seed=1))
     backend.create_model("b", types.LoraConfig(rank=2, seed=2))
@@ -195,7 +226,7 @@ else:
 
 with open(out_path, "w") as f:
     json.dump(results, f)
-if scenario in ("parity", "faults"):
+if scenario in ("parity", "full_parity", "faults"):
     backend.shutdown()
     jax.distributed.shutdown() if multi else None
     sys.exit(0)

@@ -97,6 +97,16 @@ def test_two_processes_equal_one_process(tiny_dirs, tmp_path, name):
     assert worker_rc == 0  # clean shutdown from process 0
 
 
+def test_full_training_two_processes_equal_one_process(tiny_dirs, tmp_path):
+    """training_mode='full' (fp32) on a (2, 2, 2) mesh over two processes == one process with 8 devices:
+    steps, forward, sampling, a checkpoint saved by both hosts and loaded back, a sampler save."""
+    multi, worker_rc, _ = run_pair("full_parity", tiny_dirs["dense"], tmp_path)
+    single = run_single("full_parity", tiny_dirs["dense"], tmp_path)
+    _close(multi, single)
+    assert multi["restored"] == multi["forward"] and multi["step2_again"] == multi["step2"]  # exact resume
+    assert worker_rc == 0
+
+
 def test_worker_errors_are_reported_and_the_next_call_works(tiny_dirs, tmp_path):
     """Errors before anyone runs a call, and files missing on the worker only (defect 4's clean path),
     fail that call on every host and leave state alone; peers without the secret are refused (defect 2)."""

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from tx.sft.__main__ import load_config, main
+from tx.sft.__main__ import load_config
 from tx.sft.config import SFTConfig
 from tx.sft.data import load_rows, to_messages
 from tx.sft.seed_config import SeedFieldIgnored
@@ -143,20 +143,56 @@ def test_placement_fields_warn_by_name_and_change_nothing(tmp_path):
         load_config(write(tmp_path, SEED), ["use_sample_packing=true", "remove_microbatch_padding=true"])
 
 
-def test_rank_zero_is_full_training_and_refused_for_now(tmp_path, capsys):
+def test_rank_zero_is_full_training_with_the_seed_precision(tmp_path):
     no_rank = {k: v for k, v in SEED.items() if k != "model"} | {"model": {"path": "tiny"}}
     cfg = load_config(write(tmp_path, no_rank), [])  # SkyRL's default rank is 0
-    assert (cfg.runs[0].rank, cfg.training_mode) == (0, "full")
+    assert (cfg.runs[0].rank, cfg.training_mode, cfg.mixed_precision) == (0, "full", None)
     assert load_config(write(tmp_path, SEED), ["model.lora.rank=0"]).training_mode == "full"
-    with pytest.raises(ValueError, match="full training .* is not yet available"):
-        SFTTrainer(cfg)
-    assert main(["--config", write(tmp_path, no_rank)]) == 2
-    assert "not yet available" in capsys.readouterr().err
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SeedFieldIgnored)  # honoured with rank 0, so not warned about
+        fp32 = load_config(write(tmp_path, no_rank), ["fsdp_config.mixed_precision.param_dtype=fp32"])
+    assert fp32.mixed_precision.param_dtype == "fp32"
+    with pytest.raises(ValueError, match="param_dtype"):
+        load_config(write(tmp_path, no_rank), ["fsdp_config.mixed_precision.param_dtype=fp16"])
     # native spelling: rank 0 alone is the same intent; in a sweep it is refused
     native = NATIVE | {"runs": [{"name": "all", "rank": 0}]}
     assert SFTConfig.model_validate(native).training_mode == "full"
     with pytest.raises(ValidationError, match=r"\['all'\] have rank 0 .* full training owns the base weights"):
         SFTConfig.model_validate(NATIVE | {"runs": [{"name": "all", "rank": 0}, {"name": "lora", "rank": 8}]})
+    with pytest.raises(ValidationError, match="mixed_precision applies to full training"):
+        SFTConfig.model_validate(NATIVE | {"mixed_precision": {"param_dtype": "fp32"}})
+    with pytest.raises(ValidationError, match="export_merged: a rank-0 run's export"):
+        SFTConfig.model_validate(native | {"export_merged": True})
+
+
+def test_seed_full_training_trains_and_exports_an_hf_model(tiny_dirs, tmp_path):
+    """`python -m tx.sft` on the bundled SkyRL-format example with rank 0 (SkyRL's default): every weight
+    trains, the loss falls, the step is checkpointed, and the export is an HF model transformers loads
+    without missing keys whose loss on the training data is below the base model's."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    overrides = [f"model.path={tiny_dirs['dense']}", "model.lora.rank=0", "num_steps=3", "optimizer_config.lr=1e-3",
+                 "optimizer_config.num_warmup_steps=0", f"ckpt_path={tmp_path / 'ckpts'}",
+                 f"export_path={tmp_path / 'export'}", "eval_dataset_name=null"]
+    proc = subprocess.run([sys.executable, "-m", "tx.sft", "--config", "examples/sft_seed_tiny.yaml", *overrides],
+                          check=False, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    losses = [r["policy/loss"] for r in records if "policy/loss" in r]
+    assert len(losses) == 3 and losses[2] < losses[0]
+    assert (tmp_path / "ckpts" / "global_step_3" / "policy" / "LATEST").exists()
+    trained, info = AutoModelForCausalLM.from_pretrained(tmp_path / "export" / "policy", dtype=torch.float32,
+                                                         output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    base = AutoModelForCausalLM.from_pretrained(tiny_dirs["dense"], dtype=torch.float32)
+    moved = [(a - b).abs().max().item() for a, b in zip(trained.parameters(), base.parameters())]
+    assert min(moved) > 0  # every tensor was trained (norm weights included)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dirs["dense"])
+    example = json.loads(Path(TRAIN).read_text().splitlines()[0])["messages"]
+    ids = torch.tensor([tokenizer.apply_chat_template(example, tokenize=True, return_dict=True)["input_ids"]])
+    with torch.no_grad():
+        assert trained(ids, labels=ids).loss < base(ids, labels=ids).loss
 
 
 def test_split_slices_system_prompt_and_json_tools():

@@ -206,7 +206,8 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
     @app.get("/api/v1/get_server_capabilities")
     async def capabilities():
         return {"supported_models": [{"model_name": m.model_name, "max_context_length": m.max_context_length,
-                                      "trainable": True, "sampleable": True} for m in models.all]}
+                                      "trainable": True, "sampleable": True, "training_mode": m.training_mode}
+                                     for m in models.all]}
 
     @app.get("/api/v1/metrics")
     async def metrics():
@@ -226,7 +227,14 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
         if body.optimizer_config.type != "adamw":
             raise ApiError(400, f"optimizer_config.type {body.optimizer_config.type!r} is not supported (adamw only)")
         lora = body.lora_config
-        if lora.rank > base.max_lora_rank:
+        if base.training_mode == "full":
+            if lora.rank:
+                logger.info("create_model on a training_mode='full' server: lora_config.rank %d ignored, every "
+                            "weight is trained", lora.rank)
+        elif lora.rank == 0:
+            raise ApiError(400, "lora_config.rank 0 (full training) is not served here: this server trains LoRA "
+                                "adapters; full training needs a server started with --training-mode full")
+        elif lora.rank > base.max_lora_rank:
             raise ApiError(400, f"lora_config.rank {lora.rank} exceeds this server's max_lora_rank {base.max_lora_rank}")
         try:
             lora_config = types.LoraConfig(rank=lora.rank, alpha=TINKER_LORA_ALPHA, seed=lora.seed,

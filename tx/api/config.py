@@ -36,6 +36,7 @@ class ServedModel(BaseModel):
     arch: str
     max_context_length: int
     max_lora_rank: int
+    training_mode: str = "lora"  # "full": one model at a time trains every weight; the LoRA rank is ignored
     max_num_samples: int
     # sampling limits checked at submit (400 naming the field); 0 = unknown here, the backend checks them
     vocab_size: int = 0

@@ -53,7 +53,7 @@ class FinishSession(_Body):
 
 
 class LoraConfigBody(_Body):
-    rank: int = Field(32, ge=1)
+    rank: int = Field(32, ge=0)  # 0 = full training, served by --training-mode full
     seed: int | None = None
     train_unembed: bool = True
     train_mlp: bool = True

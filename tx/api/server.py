@@ -45,6 +45,7 @@ def served_model(base_model: str, model_dir: Path, name: str | None, backend) ->
         tokenizer_id=str(model_dir) if Path(base_model).is_dir() or base_model == "tiny" else base_model,
         arch=(cfg.get("architectures") or ["Qwen3ForCausalLM"])[0],
         max_context_length=backend.impl.max_seq_len, max_lora_rank=backend.impl.config.max_lora_rank,
+        training_mode=backend.impl.training_mode,
         max_num_samples=backend.impl.config.max_num_samples, vocab_size=backend.impl.model.config.vocab_size,
         max_topk_logprobs=backend.impl.config.max_topk_prompt_logprobs,
         max_target_prompt_logprobs=backend.impl.config.max_target_prompt_logprobs)

@@ -22,8 +22,14 @@ num_warmup_steps/scheduler are the caller's schedule of learning_rate (e.g. tx.s
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
+import tempfile
+import time
+from collections import OrderedDict
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable
 
 import jax
@@ -37,6 +43,9 @@ from tx import types
 from tx.backends.config import JaxBackendConfig, MixedPrecisionConfig
 from tx.backends.jax import JaxBackend
 from tx.backends.steps import adamw
+from tx.checkpoints import external, storage, training
+from tx.checkpoints.full import (SAMPLER_FORMAT as FULL_SAMPLER_FORMAT, abstract_state, export_hf_model,
+                                 load_full_checkpoint, read_full_metadata, save_full_checkpoint, save_sampler_model)
 from tx.models.layers.lora import LoraA, LoraB
 from tx.models.sharding import put_global, to_host
 
@@ -130,6 +139,8 @@ class FullBackend(JaxBackend):
         self._master: nnx.State | None = None  # float32 masters when param_dtype is bf16
         self._opt_state: Any = None
         self.live: str | None = None
+        self._weights_version = 0  # bumped whenever the live weights change: sampler saves name a version
+        self._saved: OrderedDict[str, tuple[str, int, int]] = OrderedDict()  # path -> (model, version, step)
 
     _grad_dtype = jnp.float32  # reduce_dtype: every micro-batch's gradients leave the pass in float32
 
@@ -152,10 +163,6 @@ class FullBackend(JaxBackend):
             raise ValueError(f"training_mode='full': the base model (model id '') cannot be sampled, its weights "
                              f"are trained{owner}; sample with the model's id")
         return self._slot(model_id)
-
-    def _sampler_slot(self, path: str, pinned: set[int]) -> int:
-        raise ValueError(f"sampler checkpoint {path}: training_mode='full' samples the live model's weights; "
-                         "sampling a saved checkpoint is not supported yet")
 
     # ---- the model ----
 
@@ -185,6 +192,9 @@ class FullBackend(JaxBackend):
         self.live = None
         _, base, _ = split_full(self._load_base())
         nnx.update(self.model, base)
+        self._weights_version += 1
+        for key in [k for k, saved in self._saved.items() if saved[0] == model_id]:
+            del self._saved[key]
         logger.info("deleted full model %s; base weights restored from %s", model_id, self.model_dir)
 
     def grad_sum_of(self, model_id: str) -> dict:
@@ -247,18 +257,116 @@ class FullBackend(JaxBackend):
         else:
             self._master = master
             nnx.update(self.model, compute)
+        if bool(to_host(ok)):  # a refused step leaves the weights (and their sampler saves) as they were
+            self._weights_version += 1
         return self._finish_step(model_id, request_data, metrics, ok)
 
-    # ---- checkpoints: the full-state formats are wired in by the checkpoint integration ----
+    # ---- checkpoints ----
+    #
+    # Training state: the float32 weights (masters, or the model's own in fp32), the AdamW state and the step,
+    # with orbax (tx/checkpoints/full.py), restorable onto another mesh. Sampler weights: the weights the model
+    # computes with, as an HF safetensors model (tar, or a marker with persist=False). There is one copy of the
+    # weights, so a sampler path is served while the live weights are still the ones it saved (no optim_step
+    # or load since); an older save is refused with a message, not silently served newer weights.
 
     def save_checkpoint(self, output_path, model_id: str) -> None:
-        raise NotImplementedError("training_mode='full': save_checkpoint (full state with orbax) is not wired yet")
+        self._slot(model_id)
+        meta = self.models[model_id]
+        save_full_checkpoint(
+            output_path, self.master_weights(model_id), self._opt_state, meta.optim_steps,
+            {"base_model": self.base_model, "base": training.base_signature(self.model.config),
+             "training_mode": "full", "param_dtype": self.precision.param_dtype,
+             "lora_config": meta.lora_config.model_dump(), "saved_at": time.time()},
+            version=self.unique_name())
+        logger.info("saved full training checkpoint of %s (step %d) to %s", model_id, meta.optim_steps, output_path)
 
-    def load_checkpoint(self, checkpoint_path, model_id: str) -> None:
-        raise NotImplementedError("training_mode='full': load_checkpoint (full state with orbax) is not wired yet")
+    def checkpoint_metadata(self, checkpoint_path) -> dict:
+        return read_full_metadata(checkpoint_path)
+
+    def load_checkpoint(self, checkpoint_path, model_id: str, load_optimizer: bool = True) -> None:
+        """Restore weights (and the AdamW state unless `load_optimizer=False`) exactly, onto this mesh. The
+        live state is kept until the whole checkpoint is read and validated, so a failed load changes
+        nothing; the peak is therefore two copies of the float32 training state while it loads."""
+        self._slot(model_id)
+        ckpt = load_full_checkpoint(
+            checkpoint_path, abstract_state(self.master_weights(model_id)),
+            abstract_state(self._opt_state) if load_optimizer else None,
+            expected_base=training.base_signature(self.model.config))
+        self._set_weights(ckpt.params)
+        self._opt_state = ckpt.opt_state if load_optimizer else init_full_opt_state(ckpt.params, self.mesh)
+        self._grad_sum = jax.tree.map(jnp.zeros_like, self._grad_sum)
+        self._reset_accumulation(model_id)
+        self.models[model_id] = self.models[model_id].model_copy(update={
+            "lora_config": types.LoraConfig(**ckpt.metadata["lora_config"]), "optim_steps": ckpt.step})
+        logger.info("loaded %s into %s (step %d, optimizer: %s)", checkpoint_path, model_id, ckpt.step, load_optimizer)
+
+    def _set_weights(self, master: nnx.State) -> None:
+        """New float32 weights: the model's own (fp32), or the masters and their cast into the model (bf16)."""
+        if self._master is None:
+            nnx.update(self.model, master)
+        else:
+            self._master = master
+            nnx.update(self.model, jax.tree.map(lambda m: m.astype(self.param_dtype), master))
+        self._weights_version += 1
+
+    def _export_info(self, model_id: str, **extra) -> dict:
+        return {"model_id": model_id, "base_model": self.base_model, "base": training.base_signature(self.model.config),
+                "optim_steps": self.models[model_id].optim_steps, "param_dtype": self.precision.param_dtype,
+                "saved_at": time.time(), **extra}
 
     def save_sampler_checkpoint(self, output_path, model_id: str, persist: bool = True) -> None:
-        raise NotImplementedError("training_mode='full': save_sampler_checkpoint (HF safetensors) is not wired yet")
+        """An HF safetensors model of the weights sampling uses (a tar at `output_path`), or with
+        persist=False a marker; either way `output_path` samples the live weights until they change."""
+        self._slot(model_id)
+        info = self._export_info(model_id, persisted=persist)
+        if persist:
+            save_sampler_model(output_path, self.model, self.model_dir, info)
+        elif jax.process_index() == 0:
+            with tempfile.TemporaryDirectory() as tmp:
+                marker = Path(tmp) / "marker.json"
+                marker.write_text(json.dumps({"format": FULL_SAMPLER_FORMAT, **info}))
+                storage.write_file_atomic(output_path, marker)
+        key = str(output_path)
+        self._saved.pop(key, None)
+        self._saved[key] = (model_id, self._weights_version, info["optim_steps"])
+        while len(self._saved) > 4096:
+            self._saved.popitem(last=False)
+
+    def evict_sampler_checkpoint(self, path) -> None:
+        self._saved.pop(str(path), None)
+
+    def _sampler_slot(self, path: str, pinned: set[int]) -> int:
+        saved = self._saved.get(path)
+        if saved is None:
+            raise ValueError(f"sampler checkpoint {path}: training_mode='full' samples only the live model's "
+                             "latest saved weights, and this is not a save of them; to sample an exported model, "
+                             "serve its directory with `python -m tx.run --base-model <dir>`")
+        model_id, version, step = saved
+        if model_id != self.live or version != self._weights_version:
+            now = f"now at step {self.models[self.live].optim_steps}" if self.live else "since deleted"
+            raise ValueError(f"sampler checkpoint {path} holds model {model_id!r}'s weights of step {step}, which "
+                             f"have changed since ({now}); training_mode='full' keeps one copy of the weights, so "
+                             "only a save made after the last optim_step or load can be sampled: save the weights "
+                             "for the sampler again")
+        return FULL_ADAPTER
+
+    def save_external_weights(self, output_path, model_id: str, age_recipients: list[str] | None = None) -> None:
+        """The model as an HF safetensors directory at `output_path`, each file age-encrypted to
+        `age_recipients` when given. Every process gathers, process 0 writes."""
+        self._slot(model_id)
+        external.parse_recipients(age_recipients)  # on every process: refused before any collective gather
+        with tempfile.TemporaryDirectory() as tmp:
+            hf = Path(tmp) / "model"
+            export_hf_model(hf, self.model, self.model_dir)
+            if jax.process_index() != 0:
+                return
+            (hf / "tx_metadata.json").write_text(json.dumps(self._export_info(model_id), indent=2))
+            if age_recipients:
+                external.encrypt_dir(hf, age_recipients)
+            with storage.write_dir(output_path) as out:
+                for path in sorted(hf.iterdir()):
+                    shutil.copyfile(path, out / path.name)
+        logger.info("saved external weights (HF model) of %s to %s", model_id, output_path)
 
 
 def backend_class(config: JaxBackendConfig) -> type[JaxBackend]:

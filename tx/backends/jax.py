@@ -155,6 +155,9 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
     def create_model(self, model_id: str, lora_config: types.LoraConfig) -> None:
         if model_id in self.models:
             raise ValueError(f"model_id {model_id!r} already exists")
+        if lora_config.rank == 0:
+            raise ValueError("LoRA rank 0 means full training, which this backend (training_mode='lora') does not "
+                             "do: use training_mode='full' (python -m tx.run --training-mode full)")
         if not 1 <= lora_config.rank <= self.config.max_lora_rank:
             raise ValueError(f"LoRA rank {lora_config.rank} must be in [1, max_lora_rank={self.config.max_lora_rank}]")
         slot = self.slots.take()

@@ -10,6 +10,7 @@ from typing import Any, Callable
 from tx import losses, types
 from tx.backends.base import AbstractBackend
 from tx.backends.config import JaxBackendConfig
+from tx.backends.full import backend_class
 from tx.backends.jax import JaxBackend
 from tx.distributed import checks
 from tx.distributed.control import Coordinator
@@ -43,7 +44,7 @@ class DistributedBackend(AbstractBackend):
 
     def _local(self, method: str, kwargs: dict) -> Any:
         if method == "__init__":
-            self.impl = JaxBackend(**kwargs)
+            self.impl = backend_class(kwargs["config"])(**kwargs)
             return None
         return getattr(self.impl, method)(**kwargs)
 

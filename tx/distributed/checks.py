@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from tx.checkpoints import storage, training
+from tx.checkpoints import storage
 
 FAULT_ENV = "TX_DEBUG_FAIL_CALL"  # tests: comma-separated methods a worker fails while executing
 
@@ -45,8 +45,8 @@ def _status(fn: Callable[[], None]) -> str | None:
     return None
 
 
-def _training_checkpoint(path) -> None:
-    training.read_metadata(path)
+def _training_checkpoint(backend, path) -> None:
+    backend.checkpoint_metadata(path)  # the format this backend loads (LoRA or full training state)
     with storage.read_dir(path) as local:
         _read_all(local)
 
@@ -58,11 +58,14 @@ def _sampler_checkpoint(path) -> None:
 
 def _load_checkpoint_view(backend, kwargs: dict) -> dict:
     path = str(kwargs["checkpoint_path"])
-    return {path: _status(lambda: _training_checkpoint(path))}
+    return {path: _status(lambda: _training_checkpoint(backend, path))}
 
 
 def _sample_view(backend, kwargs: dict) -> dict:
-    """Sampler checkpoints this call will read from disk (not those held in a slot or in memory)."""
+    """Sampler checkpoints this call will read from disk (not those held in a slot or in memory; full
+    training samples only its live weights and never reads one)."""
+    if backend.training_mode == "full":
+        return {}
     paths = {p for p in kwargs["prepared_batch"].all_checkpoint_paths if p}
     return {p: _status(lambda p=p: _sampler_checkpoint(p)) for p in sorted(paths)
             if p not in backend.slots.sampler and p not in backend._snapshots}

@@ -103,9 +103,9 @@ def run_worker(host: str, port: int, secret: Callable[[], bytes], *, connect_tim
             try:
                 checks.injected_failure(method, process_id)
                 if method == "__init__":
-                    from tx.backends.jax import JaxBackend
+                    from tx.backends.full import backend_class
 
-                    backends[target] = JaxBackend(**kwargs)
+                    backends[target] = backend_class(kwargs["config"])(**kwargs)
                     logger.info("backend %r ready: base model %s", target, kwargs["base_model"])
                 else:
                     getattr(backend, method)(**kwargs)

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tx.backends.config import DEFAULT_MICRO_BATCH_TOKENS
+from tx.backends.config import DEFAULT_MICRO_BATCH_TOKENS, MixedPrecisionConfig
 from tx.sft.masks import TrainOnWhat
 
 
@@ -92,6 +92,11 @@ class SFTConfig(_Strict):
     remat_policy: Literal["layer", "dots_saveable", "dots_with_no_batch_dims_saveable"] = "layer"
     attention_impl: Literal["auto", "blockwise", "cudnn", "splash", "reference"] = "auto"
     moe_impl: Literal["auto", "ragged_dot", "blocked", "megablox"] = "auto"
+    mixed_precision: MixedPrecisionConfig | None = Field(
+        None, description="rank-0 (full training) runs only: param_dtype 'bf16' (default; float32 master weights) "
+        "or 'fp32'; gradient sums and Adam moments are float32")
+    fsdp_size: int = Field(1, ge=1, description="devices the weights, gradient sums and Adam state are sharded over "
+                           "(the mesh's fsdp axis; batches are split over it too)")
 
     @model_validator(mode="after")
     def _check(self) -> SFTConfig:
@@ -111,6 +116,11 @@ class SFTConfig(_Strict):
             raise ValueError(f"runs: run(s) {full} have rank 0 (full training), which cannot share a job with other "
                              f"runs ({[r.name for r in self.runs]}): full training owns the base weights; "
                              "train it in a job of its own")
+        if self.mixed_precision is not None and not full:
+            raise ValueError("mixed_precision applies to full training (a run with rank 0) only: LoRA weights and "
+                             "their Adam moments are float32, the base keeps the checkpoint's dtype")
+        if self.export_merged and full:
+            raise ValueError("export_merged: a rank-0 run's export (export_path) already is the whole model")
         if self.dummy_run_full_ctx and self.data.max_length is None:
             raise ValueError("dummy_run_full_ctx needs data.max_length (the length of the synthetic rows)")
         if self.pack_length is not None and self.data.max_length is not None and self.pack_length < self.data.max_length:

@@ -215,10 +215,14 @@ def _set_paths(model: BaseModel, prefix: str = "") -> list[str]:
     return out
 
 
-def _ignored_reason(path: str) -> str | None:
+def _ignored_reason(path: str, full: bool) -> str | None:
     parts = path.split(".")
     for i in range(len(parts), 0, -1):
-        reason = IGNORED.get(".".join(parts[:i]))
+        prefix = ".".join(parts[:i])
+        if prefix == "fsdp_config.mixed_precision":  # the precision policy of full training (rank 0)
+            return None if full else ("applies to full training (rank 0) only: LoRA weights and their Adam "
+                                      "moments are float32, the base keeps the checkpoint's dtype")
+        reason = IGNORED.get(prefix)
         if reason:
             return reason
     return None
@@ -258,7 +262,7 @@ def translate(s: SeedSFTConfig) -> dict[str, Any]:
     """The native SFTConfig values a validated seed config means (warns for each ignored field it sets)."""
     _check_honourable(s)
     for path in _set_paths(s):
-        reason = _ignored_reason(path)
+        reason = _ignored_reason(path, full=s.model.lora.rank == 0)
         if reason:
             warnings.warn(f"{path}: ignored by tx ({reason})", SeedFieldIgnored, stacklevel=3)
     lora, opt = s.model.lora, s.optimizer_config
@@ -313,6 +317,9 @@ def translate(s: SeedSFTConfig) -> dict[str, Any]:
         "wandb_run_name": s.run_name if wandb else None,
         "wandb_tags": s.tags if wandb else None,
     }
+    precision = s.fsdp_config.mixed_precision
+    if lora.rank == 0 and precision is not None:
+        native["mixed_precision"] = precision.model_dump()
     return _deep_merge(native, s.tx)
 
 

@@ -21,8 +21,10 @@ from tqdm import tqdm
 
 from tx import types
 from tx.backends.config import JaxBackendConfig
+from tx.backends.full import backend_class
 from tx.backends.jax import JaxBackend
 from tx.checkpoints import peft_format
+from tx.checkpoints.full import export_hf_model
 from tx.sft.config import RunConfig, SFTConfig
 from tx.sft.data import dummy_examples, load_examples, packed_rows
 
@@ -44,11 +46,6 @@ class SFTTrainer:
     def __init__(self, cfg: SFTConfig):
         from transformers import AutoTokenizer
 
-        if cfg.training_mode == "full":
-            # Integrator: switch on here once the backend's full fine-tuning mode lands (rank 0 -> training_mode="full").
-            raise ValueError(f"runs[0].rank = 0 asks for full training (all weights) of run {cfg.runs[0].name!r}, which "
-                             "is not yet available in tx.sft; use a LoRA rank >= 1 (runs[].rank, or model.lora.rank in "
-                             "SkyRL's SFTConfig names)")
         self.cfg = cfg
         base = cfg.base_model
         if base == "tiny":
@@ -56,9 +53,12 @@ class SFTTrainer:
 
             base = str(tiny_model_dir())
         self.base_model = base
-        self.backend = JaxBackend(base, JaxBackendConfig(
+        config = JaxBackendConfig(
+            training_mode=cfg.training_mode,  # rank 0: every base weight is trained (FullBackend)
+            mixed_precision=cfg.mixed_precision if cfg.training_mode == "full" else None,
+            fully_sharded_data_parallel_size=cfg.fsdp_size,
             max_lora_adapters=cfg.max_lora_adapters or len(cfg.runs) + 1,
-            max_lora_rank=max(r.rank for r in cfg.runs),
+            max_lora_rank=max(1, *(r.rank for r in cfg.runs)),
             train_micro_batch_tokens=cfg.micro_batch_tokens,
             train_micro_batch_size=cfg.micro_batch_rows,
             max_seq_len=max(cfg.pack_length or 0, cfg.data.max_length or 0) or None,
@@ -67,7 +67,8 @@ class SFTTrainer:
             remat_policy=cfg.remat_policy,
             attention_impl=cfg.attention_impl,
             moe_impl=cfg.moe_impl,
-        ))
+        )
+        self.backend: JaxBackend = backend_class(config)(base, config)
         tokenizer = AutoTokenizer.from_pretrained(str(self.backend.model_dir))
         cache = None if cfg.disable_cache else cfg.cache_dir
         self.cache_hits = 0
@@ -203,6 +204,11 @@ class SFTTrainer:
         self.step = state["step"]
 
     def export(self, path: str | Path) -> None:
+        """Each run's PEFT adapter at <path>/<run>/; a rank-0 run's whole model as an HF directory there."""
+        if self.cfg.training_mode == "full":
+            run = self.cfg.runs[0].name
+            export_hf_model(Path(path) / run, self.backend.model, self.backend.model_dir)
+            return
         for run in self.cfg.runs:
             meta = self.backend.models[run.name]
             peft_format.export_adapter(self.backend.model, meta.adapter_index, meta.lora_config.rank,
