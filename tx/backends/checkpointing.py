@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import tarfile
 import tempfile
 import time
@@ -130,11 +129,7 @@ class CheckpointMixin:
         with tempfile.TemporaryDirectory() as tmp:
             adapter = Path(tmp) / "adapter"
             peft_format.export_adapter(self.model, slot, lora.rank, lora.alpha, self.base_model, adapter)
-            if age_recipients:
-                external.encrypt_dir(adapter, age_recipients)
-            with storage.write_dir(output_path) as out:
-                for path in sorted(adapter.iterdir()):
-                    shutil.copyfile(path, out / path.name)
+            external.publish_dir(adapter, output_path, age_recipients)
         logger.info("saved external weights of %s to %s", model_id, output_path)
 
     # ---- sampler weights ----

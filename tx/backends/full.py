@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import tempfile
 import time
 from collections import OrderedDict
@@ -83,25 +82,36 @@ def make_full_optim_step(param_dtype: Any, on_trace: Callable[[], None]) -> Call
 
     `compute` is the model's bf16 copy of the masters (None when the masters are the model's weights).
     Clipping and AdamW as for LoRA (`steps.make_optim_step`); the step is committed only if the new
-    weights, moments and metrics are finite, otherwise every output equals its input bit for bit."""
+    weights, moments and metrics are finite, otherwise every output equals its input bit for bit.
+
+    Two passes: the first only reduces the update (norms, finiteness), the second, under `lax.cond(ok)`,
+    recomputes it and writes it. Selecting with `where(ok, new, old)` instead would hold the whole new
+    state (weights and both moments) beside the old one: XLA's temporaries of this step measured 4.0x the
+    weights' bytes that way, 2.0x with the cond (8 x 64 MiB float32 leaves, CPU)."""
 
     def step(master, compute, grad_sum, opt_state, hp):
         on_trace()
         grad_norm = optax.tree.norm(grad_sum)
         clip = hp["grad_clip_norm"]
         clip_scale = jnp.where((clip > 0) & (grad_norm > clip), clip / jnp.maximum(grad_norm, 1e-30), 1.0)
-        clipped = jax.tree.map(lambda g: g * clip_scale, grad_sum)
-        updates, new_state = adamw(hp).update(clipped, opt_state, master)
-        new_master = optax.apply_updates(master, updates)
+
+        def update():
+            clipped = jax.tree.map(lambda g: g * clip_scale, grad_sum)
+            updates, new_state = adamw(hp).update(clipped, opt_state, master)
+            return optax.apply_updates(master, updates), new_state, updates
+
+        new_master, new_state, updates = update()
         metrics = {"grad_norm": grad_norm, "grad_clip_scale": clip_scale,
                    "update_norm": optax.tree.norm(updates), "param_norm": optax.tree.norm(new_master)}
         ok = _all_finite((new_master, new_state, metrics))
-        keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
-        master = jax.tree.map(keep, new_master, master)
-        grad_sum = jax.tree.map(lambda g: jnp.where(ok, jnp.zeros_like(g), g), grad_sum)
-        opt_state = jax.tree.map(keep, new_state, opt_state)
-        if compute is not None:
-            compute = jax.tree.map(lambda m: m.astype(param_dtype), master)
+
+        def commit():
+            m, s, _ = update()
+            c = None if compute is None else jax.tree.map(lambda x: x.astype(param_dtype), m)
+            return m, c, jax.tree.map(jnp.zeros_like, grad_sum), s
+
+        master, compute, grad_sum, opt_state = jax.lax.cond(
+            ok, commit, lambda: (master, compute, grad_sum, opt_state))
         return master, compute, grad_sum, opt_state, metrics, ok
 
     return jax.jit(step, donate_argnums=(0, 1, 2, 3))
@@ -361,11 +371,7 @@ class FullBackend(JaxBackend):
             if jax.process_index() != 0:
                 return
             (hf / "tx_metadata.json").write_text(json.dumps(self._export_info(model_id), indent=2))
-            if age_recipients:
-                external.encrypt_dir(hf, age_recipients)
-            with storage.write_dir(output_path) as out:
-                for path in sorted(hf.iterdir()):
-                    shutil.copyfile(path, out / path.name)
+            external.publish_dir(hf, output_path, age_recipients)
         logger.info("saved external weights (HF model) of %s to %s", model_id, output_path)
 
 

@@ -52,6 +52,16 @@ def encrypt_dir(directory: Path, recipients: list[str]) -> None:
         path.unlink()
 
 
+def publish_dir(directory: Path, output_path, recipients: list[str] | None) -> None:
+    """The files of local `directory` (encrypted in place to `recipients` when given) as a new version of
+    the checkpoint directory `output_path`."""
+    if recipients:
+        encrypt_dir(directory, recipients)
+    with storage.write_dir(output_path) as out:
+        for path in sorted(directory.iterdir()):
+            shutil.copyfile(path, out / path.name)
+
+
 def current_version(location: str):
     """The directory holding the current version of a versioned checkpoint directory (local or cloud)."""
     target = storage.as_path(location)
