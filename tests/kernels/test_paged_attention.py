@@ -1,0 +1,108 @@
+"""Paged attention against numpy attention over each sequence's unpaged K/V, page writes, and the blocked
+kernel's batch invariance (a row's output is bit-identical whatever the other rows and the table width)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tx.kernels.paged_attention import TRASH_PAGE, paged_attention, token_slots, write_kv_pages
+
+L, PAGES, P, KV, H, D = 2, 40, 4, 2, 4, 8
+
+
+def numpy_attention(q_thd, k_skd, v_skd, q_pos_t, scale):
+    """float64 softmax attention of each query over keys 0..q_pos (GQA: query head i reads kv head i // g)."""
+    g = q_thd.shape[1] // k_skd.shape[1]
+    out = np.zeros(q_thd.shape)
+    for t, p in enumerate(q_pos_t):
+        for h in range(q_thd.shape[1]):
+            s = k_skd[: p + 1, h // g] @ q_thd[t, h] * scale
+            w = np.exp(s - s.max())
+            out[t, h] = (w / w.sum()) @ v_skd[: p + 1, h // g]
+    return out
+
+
+def make_case(seed, lengths, t, width=None, dtype=jnp.float32):
+    """Pools holding random K/V of sequences of `lengths` (every page distinct, shuffled), their tables,
+    and queries at the last `t` positions of each sequence."""
+    rng = np.random.default_rng(seed)
+    k_pool = rng.standard_normal((L, PAGES, P, KV, D))
+    v_pool = rng.standard_normal((L, PAGES, P, KV, D))
+    width = width or max(-(-n // P) for n in lengths)
+    free = list(rng.permutation(np.arange(1, PAGES)))
+    table = np.zeros((len(lengths), width), np.int32)
+    for b, n in enumerate(lengths):
+        for j in range(-(-n // P)):
+            table[b, j] = free.pop()
+    q = rng.standard_normal((len(lengths), t, H, D))
+    q_pos = np.stack([np.arange(n - t, n) for n in lengths]).astype(np.int32)
+    return (jnp.asarray(q, dtype), jnp.asarray(k_pool, dtype), jnp.asarray(v_pool, dtype), jnp.asarray(table),
+            jnp.asarray(q_pos))
+
+
+def unpaged(pool, layer, table_row, n):
+    pool = np.asarray(pool, np.float64)
+    return np.concatenate([pool[layer, p] for p in table_row])[:n]
+
+
+@pytest.mark.parametrize("impl,kv_block", [("reference", 0), ("blocked", 4), ("blocked", 8)])
+@pytest.mark.parametrize("t", [1, 3])
+def test_matches_numpy_attention(impl, kv_block, t):
+    lengths = [13, 3, 22]
+    q, k_pool, v_pool, table, q_pos = make_case(0, lengths, t, width=7)
+    scale = D ** -0.5
+    for layer in range(L):
+        out = paged_attention(q, k_pool, v_pool, layer, table, q_pos, scale, impl=impl, kv_block=kv_block)
+        for b, n in enumerate(lengths):
+            want = numpy_attention(np.asarray(q[b], np.float64), unpaged(k_pool, layer, table[b], n),
+                                   unpaged(v_pool, layer, table[b], n), np.asarray(q_pos[b]), scale)
+            np.testing.assert_allclose(np.asarray(out[b]), want, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_within_bf16_error():
+    lengths = [17, 9]
+    q, k_pool, v_pool, table, q_pos = make_case(1, lengths, 1, dtype=jnp.bfloat16)
+    out = paged_attention(q, k_pool, v_pool, 1, table, q_pos, 0.3, impl="blocked", kv_block=8)
+    for b, n in enumerate(lengths):
+        want = numpy_attention(np.asarray(q[b], np.float64), unpaged(k_pool, 1, table[b], n),
+                               unpaged(v_pool, 1, table[b], n), np.asarray(q_pos[b]), 0.3)
+        np.testing.assert_allclose(np.asarray(out[b], np.float64), want, atol=3e-2)
+
+
+def test_blocked_rows_are_bit_identical_whatever_the_batch_and_width():
+    """Row 0 (10 tokens) alone in a 2-row batch with a short neighbour, then beside a 30-token neighbour
+    (three more blocks run) in a table twice as wide: its output does not change by one bit."""
+    q, k_pool, v_pool, table, q_pos = make_case(2, [10, 30], 1, width=16)
+    fn = jax.jit(paged_attention, static_argnames=("impl", "kv_block", "scale"))
+    wide = fn(q, k_pool, v_pool, 0, table, q_pos, scale=0.25, impl="blocked", kv_block=4)
+    short_q_pos = q_pos.at[1].set(2)  # the neighbour now needs one block only
+    narrow = fn(q, k_pool, v_pool, 0, table[:, :8], short_q_pos, scale=0.25, impl="blocked", kv_block=4)
+    np.testing.assert_array_equal(np.asarray(wide[0]), np.asarray(narrow[0]))
+
+
+def test_writes_land_in_their_pages_and_padding_in_the_trash_page():
+    pool = jnp.zeros((L, PAGES, P, KV, D))
+    table = jnp.asarray([[5, 9, 0], [7, 0, 0]], jnp.int32)
+    pos = jnp.asarray([[3, 4, 5], [0, 1, 2]], jnp.int32)
+    valid = jnp.asarray([[True, True, True], [True, True, False]])
+    page, offset = token_slots(table, pos, P, valid)
+    np.testing.assert_array_equal(np.asarray(page), [[5, 9, 9], [7, 7, TRASH_PAGE]])
+    np.testing.assert_array_equal(np.asarray(offset), [[3, 0, 1], [0, 1, 2]])
+    new = jnp.arange(2 * 3 * KV * D, dtype=jnp.float32).reshape(2, 3, KV, D) + 1
+    out = np.asarray(jax.jit(write_kv_pages, donate_argnums=0)(pool, 1, new, page, offset))
+    np.testing.assert_array_equal(out[1, 5, 3], new[0, 0])
+    np.testing.assert_array_equal(out[1, 9, 1], new[0, 2])
+    np.testing.assert_array_equal(out[1, 7, 1], new[1, 1])
+    assert np.count_nonzero(out[0]) == 0  # other layer untouched
+    written = {(5, 3), (9, 0), (9, 1), (7, 0), (7, 1), (TRASH_PAGE, 2)}
+    untouched = [(p, o) for p in range(PAGES) for o in range(P) if (p, o) not in written]
+    assert all(np.count_nonzero(out[1, p, o]) == 0 for p, o in untouched)
+
+
+def test_unknown_impl_and_bad_block_are_named():
+    q, k_pool, v_pool, table, q_pos = make_case(3, [5], 1)
+    with pytest.raises(ValueError, match="paged_attention_impl='nope'"):
+        paged_attention(q, k_pool, v_pool, 0, table, q_pos, 1.0, impl="nope")
+    with pytest.raises(ValueError, match="kv_block=6 must be a multiple of the page size 4"):
+        paged_attention(q, k_pool, v_pool, 0, table, q_pos, 1.0, impl="blocked", kv_block=6)

@@ -1,0 +1,123 @@
+"""Attention over a paged KV cache: the sampling engine's cache layout, writes and reads.
+
+Layout, per stack of L layers: `k_pool_lnpkd` and `v_pool_lnpkd`, `[L, num_pages, page_size, kv_heads,
+head_dim]`. A page id names the same token slots in every layer, so a sequence has one page table
+`table_bw` (int32 `[b, W]`): its token at position t lives in page `table_bw[b, t // page_size]` at offset
+`t % page_size`. Page 0 is the trash page: writes of padding tokens go there and tables are padded with 0;
+it is never read unmasked. Pool contents must be finite (they are K/V of real or padding tokens), since a
+masked key's value is multiplied by an exact zero.
+
+`paged_attention(q, k_pool, v_pool, layer, table, q_pos, scale, impl)`: a query at position p sees the keys
+at positions 0..p of its own sequence (everything before it is already in its pages, and a prefill chunk's
+K/V is written before it attends). Kernels (`PAGED_ATTENTION_IMPLS`):
+- "reference": gathers every page of the table and runs the dense `attention` under a mask. The oracle.
+- "blocked": an online softmax (float32 running max, sum and output, as flash.py) over KV blocks of
+  `kv_block` tokens at fixed absolute positions, looping only over the blocks the longest query needs. A
+  block past a row's last visible key is fully masked, and a fully masked block leaves the running state
+  bit-identical (its probabilities are exactly 0 and the correction exactly 1). So a row's output is the
+  same sequence of operations whatever the table width or the other rows' lengths: a sequence samples the
+  same tokens alone or in any batch.
+Reads gather `pool[layer, pages]` in one indexing step: never slice `pool[layer]` first (a copy of the
+layer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from tx.kernels.attention import _MASKED, attention
+
+TRASH_PAGE = 0
+
+
+def write_kv_pages(pool_lnpkd: jax.Array, layer: jax.Array | int, new_btkd: jax.Array, page_bt: jax.Array,
+                   offset_bt: jax.Array) -> jax.Array:
+    """`pool` with `new[b, t]` written at `(layer, page[b, t], offset[b, t])`: one scatter, in place when
+    the pool is donated. Padding tokens should point at `TRASH_PAGE`."""
+    return pool_lnpkd.at[layer, page_bt, offset_bt].set(new_btkd.astype(pool_lnpkd.dtype))
+
+
+def token_slots(table_bw: jax.Array, pos_bt: jax.Array, page_size: int,
+                valid_bt: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(page, offset) `[b, t]` of the tokens at positions `pos_bt`; invalid tokens go to the trash page."""
+    page_bt = jnp.take_along_axis(table_bw, pos_bt // page_size, axis=1)
+    offset_bt = pos_bt % page_size
+    if valid_bt is not None:
+        page_bt = jnp.where(valid_bt, page_bt, TRASH_PAGE)
+    return page_bt, offset_bt
+
+
+def _gather(pool_lnpkd: jax.Array, layer, pages_bm: jax.Array) -> jax.Array:
+    """`[b, m * page_size, kv, d]`: the tokens of pages `pages_bm` of `layer`, in table order."""
+    b, m = pages_bm.shape
+    _, _, page, kv, d = pool_lnpkd.shape
+    return pool_lnpkd[layer, pages_bm].reshape(b, m * page, kv, d)
+
+
+def reference_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale: float,
+                              kv_block: int = 0) -> jax.Array:
+    """Dense attention over every page of the table (`kv_block` is ignored)."""
+    del kv_block
+    k_bskd, v_bskd = _gather(k_pool, layer, table_bw), _gather(v_pool, layer, table_bw)
+    key_pos_s = jnp.arange(k_bskd.shape[1])
+    mask_bts = key_pos_s[None, None, :] <= q_pos_bt[:, :, None]
+    return attention(q_bthd, k_bskd, v_bskd, mask_bts, scale)
+
+
+def blocked_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale: float,
+                            kv_block: int = 128) -> jax.Array:
+    """Online-softmax attention over blocks of `kv_block` tokens (a multiple of the page size)."""
+    b, t, h, d = q_bthd.shape
+    page = k_pool.shape[2]
+    kv = k_pool.shape[3]
+    if kv_block % page:
+        raise ValueError(f"kv_block={kv_block} must be a multiple of the page size {page}")
+    pages_per_block = kv_block // page
+    w = table_bw.shape[1]
+    padded_w = -(-w // pages_per_block) * pages_per_block
+    table_bw = jnp.pad(table_bw, ((0, 0), (0, padded_w - w)), constant_values=TRASH_PAGE)
+    q_btkgd = q_bthd.reshape(b, t, kv, h // kv, d)
+    n_blocks = jnp.max(q_pos_bt) // kv_block + 1  # the blocks the furthest query needs
+
+    def body(carry):
+        j, m_bkgt, l_bkgt, acc_btkgd = carry
+        pages_bm = jax.lax.dynamic_slice_in_dim(table_bw, j * pages_per_block, pages_per_block, axis=1)
+        k_bskd, v_bskd = _gather(k_pool, layer, pages_bm), _gather(v_pool, layer, pages_bm)
+        key_pos_s = j * kv_block + jnp.arange(kv_block)
+        mask_bts = key_pos_s[None, None, :] <= q_pos_bt[:, :, None]
+        s_bkgts = jnp.einsum("btkgd,bskd->bkgts", q_btkgd, k_bskd, preferred_element_type=jnp.float32)
+        s_bkgts = jnp.where(mask_bts[:, None, None], s_bkgts * scale, _MASKED)
+        m_new = jnp.maximum(m_bkgt, s_bkgts.max(axis=-1))
+        p_bkgts = jnp.exp(s_bkgts - m_new[..., None])
+        corr_bkgt = jnp.exp(m_bkgt - m_new)
+        l_new = l_bkgt * corr_bkgt + p_bkgts.sum(axis=-1)
+        pv_btkgd = jnp.einsum("bkgts,bskd->btkgd", p_bkgts.astype(v_bskd.dtype), v_bskd,
+                              preferred_element_type=jnp.float32)
+        acc_new = acc_btkgd * jnp.moveaxis(corr_bkgt, -1, 1)[..., None] + pv_btkgd
+        return j + 1, m_new, l_new, acc_new
+
+    g = h // kv
+    init = (jnp.int32(0), jnp.full((b, kv, g, t), _MASKED, jnp.float32), jnp.zeros((b, kv, g, t), jnp.float32),
+            jnp.zeros((b, t, kv, g, d), jnp.float32))
+    _, _, l_bkgt, acc_btkgd = jax.lax.while_loop(lambda c: c[0] < n_blocks, body, init)
+    out_btkgd = acc_btkgd / jnp.moveaxis(l_bkgt, -1, 1)[..., None]
+    return out_btkgd.reshape(b, t, h, d).astype(q_bthd.dtype)
+
+
+PagedAttentionFn = Callable[..., jax.Array]
+
+PAGED_ATTENTION_IMPLS: dict[str, PagedAttentionFn] = {
+    "reference": reference_paged_attention,
+    "blocked": blocked_paged_attention,
+}
+
+
+def paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale: float, impl: str = "blocked",
+                    kv_block: int = 128) -> jax.Array:
+    """Causal GQA attention `[b, t, h, d]` of queries at positions `q_pos_bt` over their sequences' pages."""
+    if impl not in PAGED_ATTENTION_IMPLS:
+        raise ValueError(f"paged_attention_impl={impl!r} is not one of {', '.join(PAGED_ATTENTION_IMPLS)}")
+    return PAGED_ATTENTION_IMPLS[impl](q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale, kv_block)
