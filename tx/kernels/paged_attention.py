@@ -23,6 +23,7 @@ layer).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -121,3 +122,33 @@ def paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale: fl
     if impl not in PAGED_ATTENTION_IMPLS:
         raise ValueError(f"paged_attention_impl={impl!r} is not one of {', '.join(PAGED_ATTENTION_IMPLS)}")
     return PAGED_ATTENTION_IMPLS[impl](q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale, kv_block)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedKV:
+    """What a layer needs to write and read the paged cache: one stack's pools, the layer's index in it,
+    the sequences' page tables and the positions of this call's tokens (`valid_bt` False: padding, written
+    to the trash page). `impl` and `kv_block` are static."""
+
+    k_pool: jax.Array
+    v_pool: jax.Array
+    layer: jax.Array
+    table_bw: jax.Array
+    pos_bt: jax.Array
+    valid_bt: jax.Array
+    impl: str = "blocked"
+    kv_block: int = 128
+
+    def attend(self, q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array,
+               scale: float) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Write this call's keys/values, then attend: (output `[b, t, h, d]`, updated pools)."""
+        page_bt, offset_bt = token_slots(self.table_bw, self.pos_bt, self.k_pool.shape[2], self.valid_bt)
+        k_pool = write_kv_pages(self.k_pool, self.layer, k_btkd, page_bt, offset_bt)
+        v_pool = write_kv_pages(self.v_pool, self.layer, v_btkd, page_bt, offset_bt)
+        out = paged_attention(q_bthd, k_pool, v_pool, self.layer, self.table_bw, self.pos_bt, scale, self.impl,
+                              self.kv_block)
+        return out, (k_pool, v_pool)
+
+
+jax.tree_util.register_dataclass(PagedKV, data_fields=["k_pool", "v_pool", "layer", "table_bw", "pos_bt", "valid_bt"],
+                                 meta_fields=["impl", "kv_block"])

@@ -8,6 +8,7 @@ The model returns final hidden states; `target_logprobs` turns them into float32
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax
@@ -16,6 +17,7 @@ from flax import nnx
 
 from tx.kernels.attention import resolve_attention_impl, self_attention_mask
 from tx.kernels.lora import add_lora_head_delta
+from tx.kernels.paged_attention import PagedKV
 from tx.models.config import LoraSlots, ModelConfig
 from tx.models.layers.attention import Attention
 from tx.models.layers.lora import lora_variables
@@ -103,6 +105,8 @@ class DecoderStack(nnx.Module):
                 h_btd, kv = layer_module(h_btd, cos_sin, mask_bts, adapter_b, layer_cache, layer)
             return h_btd, (kv if return_kv or layer_cache is not None else None)
 
+        if isinstance(cache, PagedKV):
+            return self._paged(graphdef, whole, state, layer_l, x_btd, cos_sin, adapter_b, cache)
         policy = remat_policy(self.remat_policy)
         if policy is not None:  # per-layer gradient checkpointing: the policy says what the backward may keep
             body = jax.checkpoint(body, policy=policy)
@@ -111,6 +115,24 @@ class DecoderStack(nnx.Module):
         k_cache, v_cache, write_pos_b = cache
         write_pos_lb = jnp.broadcast_to(write_pos_b, (k_cache.shape[0], *write_pos_b.shape))
         return jax.lax.scan(body, x_btd, (state, (k_cache, v_cache, write_pos_lb), layer_l))
+
+
+    def _paged(self, graphdef, whole, state, layer_l, x_btd, cos_sin, adapter_b, paged: PagedKV):
+        """Sampling-engine mode: the stack's page pools ride in the scan carry and each layer scatters its
+        keys/values into them at its own index (no per-layer copy of the cache; in place when donated)."""
+
+        def body(carry, xs):
+            h_btd, k_pool, v_pool = carry
+            layer_state, layer = xs
+            kv = dataclasses.replace(paged, k_pool=k_pool, v_pool=v_pool, layer=layer)
+            if whole is None:
+                h_btd, pools = nnx.merge(graphdef, layer_state)(h_btd, cos_sin, None, adapter_b, kv)
+            else:
+                h_btd, pools = nnx.merge(graphdef, whole, layer_state)(h_btd, cos_sin, None, adapter_b, kv, layer)
+            return (h_btd, *pools), None
+
+        (h_btd, k_pool, v_pool), _ = jax.lax.scan(body, (x_btd, paged.k_pool, paged.v_pool), (state, layer_l))
+        return h_btd, (k_pool, v_pool)
 
 
 class Embedding(nnx.Module):
@@ -227,12 +249,32 @@ class Qwen3ForCausalLM(nnx.Module):
         )
         return hidden_b1d[:, 0], caches
 
+    def paged_forward(
+        self,
+        ids_bt: jax.Array,
+        positions_bt: jax.Array,
+        valid_bt: jax.Array,
+        adapter_indices_b: jax.Array | None,
+        pools: list[tuple[jax.Array, jax.Array]],
+        table_bw: jax.Array,
+        impl: str = "blocked",
+        kv_block: int = 128,
+    ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
+        """Tokens at `positions_bt` of sequences whose KV pages are `table_bw` (a prefill chunk, or one
+        decode token per row): each stack writes their keys/values into its page pools `[L, N, P, kv, d]`
+        and attends over the sequences' pages. Returns final hidden states `[b, t, d]` and the pools."""
+        paged = [PagedKV(k, v, jnp.int32(0), table_bw, positions_bt, valid_bt, impl, kv_block) for k, v in pools]
+        return self._layers(ids_bt, positions_bt, None, adapter_indices_b, paged, False)
+
     def _layers(self, ids_bt, positions_bt, mask_bts, adapter_b, decode, return_kv):
         cos_sin = rope_cos_sin(positions_bt, self.config.head_dim, self.config.rope_theta)
         x_btd = self.embed_tokens(ids_bt)
         kvs = []
         for i, stack in enumerate(self.stacks):
-            cache = None if decode is None else (*decode[0][i], decode[1])
+            if decode is None or isinstance(decode, list):  # None, or each stack's PagedKV
+                cache = None if decode is None else decode[i]
+            else:
+                cache = (*decode[0][i], decode[1])
             x_btd, kv = stack(x_btd, cos_sin, mask_bts, adapter_b, cache, return_kv)
             kvs.append(kv)
         return self.norm(x_btd), kvs
