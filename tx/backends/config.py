@@ -46,6 +46,22 @@ class JaxBackendConfig(BaseModel):
         0, ge=0, description="at most this many rows per jit call in forward/forward_backward (0 = no row cap)"
     )
     sample_max_num_sequences: int = Field(0, ge=0, description="sequences per sampling call (0 = no limit)")
+    sample_engine: Literal["static", "paged"] = Field(
+        "static", description="'static': each call decodes its rows as padded batches with a dense KV cache; "
+        "'paged': paged KV cache, one prefill per prompt shared by its samples, continuous batching "
+        "(tx/sampling/continuous.py)")
+    kv_page_size: int = Field(16, ge=1, description="paged engine: tokens per KV page")
+    kv_cache_pages: int = Field(0, ge=0, description="paged engine: KV pages in the pool (0 = max_num_seqs / 4 "
+                                "rows of max_seq_len, plus room for one longest prompt and row)")
+    max_num_seqs: int = Field(64, ge=1, description="paged engine: decode slots (rows decoding at once)")
+    prefill_chunk: int = Field(64, ge=1, description="paged engine: prompt tokens per prefill chunk")
+    prefill_rows: int = Field(4, ge=1, description="paged engine: prefill chunks per device call")
+    decode_steps_per_call: int = Field(8, ge=1, description="paged engine: decode steps per device call (rows "
+                                       "join and leave between calls)")
+    paged_attention_impl: Literal["blocked", "reference"] = Field(
+        "blocked", description="paged engine: attention over pages ('reference' gathers every page: the oracle)")
+    kv_block: int = Field(64, ge=1, description="paged engine: tokens per attention block (a multiple of "
+                          "kv_page_size)")
     max_num_samples: int = Field(128, ge=1, description="largest num_samples one sampling request may ask for")
     default_max_tokens: int = Field(
         1024, ge=0, description="new tokens of a sample request that sends max_tokens=None (the SDK default), "

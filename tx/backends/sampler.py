@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from tx import types
 from tx.backends.batching import bucket_length, bucket_rows
 from tx.models.sharding import batch_spec, put_global, to_host
+from tx.sampling.continuous import PagedEngine
 from tx.sampling.decode import DecodeInputs, DecodeOutputs, generate
 from tx.sampling.outputs import prompt_output, sequence_of
 from tx.sampling.prompt_scores import PromptScoreInputs, PromptScores, score_prompts
@@ -52,6 +53,7 @@ class Sampler:
         self.model_dir = model_dir
         self.eos_ids = eos_token_ids(model_dir)
         self._tokenizer = None
+        self._paged: PagedEngine | None = None  # the paged engine and its KV pool, made at first use
 
     def decode_text(self, tokens: list[int]) -> str:
         if self._tokenizer is None:
@@ -183,10 +185,18 @@ class Sampler:
             batch.request_batch_slices[r][0]: types.ErrorResponse(error=msg) for r, msg in errors.items()
         }
         sequences: list[types.GeneratedSequence | None] = [None] * len(rows)
-        for idx in self._chunk_rows(rows):
-            out = self._decode_chunk([rows[i] for i in idx])
-            for j, i in enumerate(idx):
-                sequences[i] = sequence_of(out, j, rows[i], self.decode_text)
+        if backend.config.sample_engine == "paged":
+            if self._paged is None:
+                self._paged = PagedEngine(self)
+            topk = max((r.options.topk_sample_logprobs for r in rows), default=0)
+            topk = _pow2(topk, 1) if topk else 0
+            for i, res in enumerate(self._paged.run(rows)):
+                sequences[i] = sequence_of(res.as_outputs(topk), 0, rows[i], self.decode_text)
+        else:
+            for idx in self._chunk_rows(rows):
+                out = self._decode_chunk([rows[i] for i in idx])
+                for j, i in enumerate(idx):
+                    sequences[i] = sequence_of(out, j, rows[i], self.decode_text)
         by_request: dict[int, list[int]] = {}
         for i, row in enumerate(rows):
             by_request.setdefault(row.request_index, []).append(i)

@@ -1,0 +1,100 @@
+"""The paged sampling engine (`sample_engine="paged"`) against transformers `generate` and the static engine
+on the same weights: greedy tokens, seeded samples, log-probs, stops, top-k log-probs; prompt sharing
+(one prefill per request), continuous batching through a small pool and few slots, bounded programs."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import tx
+from tests.sampling.test_sample import PROMPTS, SP, sample_batch
+from tx import types
+from tx.models.adapters import get_adapter_weights, set_adapter_weights
+
+BASE = dict(max_lora_adapters=3, max_lora_rank=4, max_seq_len=96, max_num_samples=8)
+PAGED = dict(sample_engine="paged", kv_page_size=4, kv_block=8, prefill_chunk=8, prefill_rows=2,
+             decode_steps_per_call=4, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_dirs):
+    """(static backend, paged backend) on the dense tiny model, adapter "a" holding the same random weights."""
+    static = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE))
+    paged = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **PAGED))
+    for backend in (static, paged):
+        backend.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
+    slot = static.models["a"].adapter_index
+    rng = np.random.default_rng(0)
+    weights = {name: (a, rng.standard_normal(b.shape).astype(np.float32) * 0.3)
+               for name, (a, b) in get_adapter_weights(static.model, slot, 4).items()}
+    for backend in (static, paged):
+        set_adapter_weights(backend.model, slot, weights, alpha=8, rank=4)
+    return static, paged
+
+
+def requests_mixed():
+    greedy = [SP(max_tokens=m, temperature=0.0, stop=[]) for m in (10, 6, 12, 3)]
+    out = [(f"g{m}{i}", m, [(p, g)], False, 0) for m in ("", "a") for i, (p, g) in enumerate(zip(PROMPTS, greedy))]
+    out.append(("s", "a", [(PROMPTS[2], SP(max_tokens=9, temperature=1.0, seed=5, stop=[]))] * 5, False, 0))
+    out.append(("k", "", [(PROMPTS[0], SP(max_tokens=7, temperature=0.8, top_k=20, top_p=0.9, seed=1))] * 2, False, 0))
+    return out
+
+
+def test_paged_equals_static_and_transformers(tiny_dirs, engines):
+    static, paged = engines
+    requests = requests_mixed()
+    want, got = static.sample(sample_batch(requests)), paged.sample(sample_batch(requests))
+    for request_id, *_ in requests:
+        a, b = want[request_id].sequences, got[request_id].sequences
+        assert [s.tokens for s in a] == [s.tokens for s in b], request_id
+        assert [s.stop_reason for s in a] == [s.stop_reason for s in b], request_id
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dirs["dense"], dtype=torch.float32)
+    for i, prompt in enumerate(PROMPTS):  # the base rows, independently of the static engine
+        n = len(got[f"g{i}"].sequences[0].tokens)
+        ids = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+        assert got[f"g{i}"].sequences[0].tokens == ids
+    assert len({tuple(s.tokens) for s in got["s"].sequences}) == 5  # seed + i per sample
+    # one prefill per request: the 5 samples of "s" and 2 of "k" share their prompt's
+    engine = paged._sampler._paged
+    assert engine.stats["prefill_tokens"] == sum(len(p) - 1 for p in PROMPTS) * 2 + len(PROMPTS[2]) - 1 + \
+        len(PROMPTS[0]) - 1
+
+
+def test_small_pool_and_few_slots_wait_and_give_the_same_tokens(tiny_dirs, engines):
+    """A pool of the minimum size and 2 slots: rows wait for pages and slots, join as others leave, and
+    sample what they sample with room to spare; stops, stop strings and top-k sample log-probs included."""
+    _, ample = engines
+    tight = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **(PAGED | dict(max_num_seqs=2,
+                                                                                          kv_cache_pages=51))))
+    tight.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
+    slot = ample.models["a"].adapter_index
+    set_adapter_weights(tight.model, slot, get_adapter_weights(ample.model, slot, 4), alpha=8, rank=4)
+    requests = requests_mixed() + [
+        ("stop", "a", [(PROMPTS[1], SP(max_tokens=40, temperature=1.0, seed=3, stop=[17, 99]))] * 3, False, 0),
+        ("long", "", [(list(range(3, 80)), SP(max_tokens=16, temperature=0.0, stop=[]))], False, 0)]
+    batch = sample_batch(requests)
+    batch.all_sampling_params = list(batch.all_sampling_params)
+    want, got = ample.sample(batch), tight.sample(batch)
+    for request_id, *_ in requests:
+        assert [s.tokens for s in want[request_id].sequences] == [s.tokens for s in got[request_id].sequences]
+    assert tight._sampler._paged.stats["peak_pages"] <= 50
+
+
+def test_topk_sample_logprobs_and_programs_stay_bounded(engines):
+    static, paged = engines
+    params = SP(max_tokens=6, temperature=1.0, seed=2, stop=[])
+    batch = sample_batch([("t", "a", [(PROMPTS[0], params)] * 2, False, 0)])
+    batch.request_options = [types.SampleOptions(topk_sample_logprobs=3)]
+    want, got = static.sample(batch)["t"], paged.sample(batch)["t"]
+    for x, y in zip(want.sequences, got.sequences):
+        assert [[t for t, _ in row] for row in x.topk_logprobs] == [[t for t, _ in row] for row in y.topk_logprobs]
+    before = dict(paged.metrics.compiles)
+    for m in (1, 5, 17, 30):  # other lengths, counts and parameters: no new program
+        paged.sample(sample_batch([("v", "a", [(PROMPTS[1], SP(max_tokens=m, temperature=0.5, seed=m))] * 3,
+                                    False, 0)]))
+    grown = {k: v - before.get(k, 0) for k, v in paged.metrics.compiles.items() if v != before.get(k, 0)}
+    assert set(grown) <= {"sample_decode", "sample_copy_pages"}, grown  # slot buckets only (pow2 of live rows)

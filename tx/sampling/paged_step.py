@@ -1,0 +1,111 @@
+"""Device programs of the paged sampling engine (`tx/sampling/continuous.py` drives them).
+
+- `prefill_chunk`: `[R, C]` prompt tokens (each row a chunk of one prompt, at absolute positions) write
+  their keys/values into the page pools. Nothing is returned but the pools: a prompt is prefilled up to,
+  not including, its last token, which each sampled row feeds itself as its first decode input.
+- `copy_pages`: page `src[m]` -> page `dst[m]` in every layer (copy-on-write of a shared partial page).
+- `decode_steps`: up to `steps` tokens for every active slot. Each step feeds each slot's input token at its
+  position, takes float32 logits, selects the next token with the slot's parameters and the key
+  `fold_in(key(seed), gen)` (gen = tokens the row generated so far: the static sampler's keys, so both
+  engines sample the same tokens), and stops a slot on a stop token or at `max_tokens`.
+
+All shapes are fixed by the engine's configuration (slot bucket, steps, stop width, top-k width), never by
+request values. The pools are donated: they are updated in place.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from tx.sampling.filters import select_tokens
+
+Pools = list[tuple[jax.Array, jax.Array]]
+
+
+class PrefillInputs(NamedTuple):
+    ids_rc: jax.Array  # int32 [R, C]
+    pos_rc: jax.Array  # int32 [R, C] absolute positions (0 on padding)
+    valid_rc: jax.Array  # bool [R, C]
+    adapter_r: jax.Array  # int32 [R]
+    table_rw: jax.Array  # int32 [R, W]
+
+
+class SlotInputs(NamedTuple):
+    token_s: jax.Array  # int32 [S]: the next input token
+    pos_s: jax.Array  # int32 [S]: its position
+    gen_s: jax.Array  # int32 [S]: tokens generated so far
+    active_s: jax.Array  # bool [S]
+    adapter_s: jax.Array  # int32 [S]
+    seed_s: jax.Array  # uint32 [S]
+    temperature_s: jax.Array  # float32 [S]
+    top_k_s: jax.Array  # int32 [S]
+    top_p_s: jax.Array  # float32 [S]
+    max_tokens_s: jax.Array  # int32 [S]
+    stop_sx: jax.Array  # int32 [S, x], -1 = unused
+    table_sw: jax.Array  # int32 [S, W]
+
+
+class StepOutputs(NamedTuple):
+    tokens_sk: jax.Array  # int32 [S, steps]
+    logprobs_sk: jax.Array  # float32 [S, steps]
+    new_s: jax.Array  # int32 [S]: tokens produced in this call
+    done_s: jax.Array  # bool [S]: the row ended in this call
+    hit_stop_s: jax.Array  # bool [S]: ... on a stop token
+    top_ids_skq: jax.Array | None  # int32 [S, steps, q] with top-k
+    top_logprobs_skq: jax.Array | None
+
+
+def prefill_chunk(model, pools: Pools, inp: PrefillInputs, impl: str, kv_block: int) -> Pools:
+    _, pools = model.paged_forward(inp.ids_rc, inp.pos_rc, inp.valid_rc, inp.adapter_r, pools, inp.table_rw,
+                                   impl, kv_block)
+    return pools
+
+
+def copy_pages(pools: Pools, src_m: jax.Array, dst_m: jax.Array) -> Pools:
+    """Copy pages (all layers); pairs (0, 0) are no-ops on the trash page."""
+    return [(k.at[:, dst_m].set(k[:, src_m]), v.at[:, dst_m].set(v[:, src_m])) for k, v in pools]
+
+
+def slot_keys(seed_s: jax.Array, gen_s: jax.Array) -> jax.Array:
+    """One key per slot: the static sampler's `row_keys(seed, step)` with each row's own step."""
+    return jax.vmap(lambda s, g: jax.random.fold_in(jax.random.key(s), g))(seed_s.astype(jnp.uint32), gen_s)
+
+
+def decode_steps(model, pools: Pools, inp: SlotInputs, steps: int, topk: int, impl: str,
+                 kv_block: int) -> tuple[Pools, StepOutputs]:
+    s = inp.token_s.shape[0]
+
+    def cond(state):
+        return (state[0] < steps) & jnp.any(state[4])
+
+    def body(state):
+        k, pools, token_s, pos_s, active_s, gen_s, tokens_sk, logprobs_sk, hit_s, *top = state
+        hidden_s1d, pools = model.paged_forward(token_s[:, None], pos_s[:, None], active_s[:, None], inp.adapter_s,
+                                                pools, inp.table_sw, impl, kv_block)
+        logits_sv = model.logits(hidden_s1d, inp.adapter_s)[:, 0]
+        next_s = select_tokens(logits_sv, slot_keys(inp.seed_s, gen_s), inp.temperature_s, inp.top_k_s, inp.top_p_s)
+        logsoftmax_sv = jax.nn.log_softmax(logits_sv.astype(jnp.float32), axis=-1)
+        logprob_s = jnp.take_along_axis(logsoftmax_sv, next_s[:, None], axis=-1)[:, 0]
+        if topk:
+            top_lp_sq, top_ids_sq = jax.lax.top_k(logsoftmax_sv, topk)
+            top = [top[0].at[:, k].set(top_ids_sq.astype(jnp.int32)), top[1].at[:, k].set(top_lp_sq)]
+        tokens_sk = tokens_sk.at[:, k].set(jnp.where(active_s, next_s, 0))
+        logprobs_sk = logprobs_sk.at[:, k].set(jnp.where(active_s, logprob_s, 0.0))
+        gen_s = gen_s + active_s
+        stop_s = active_s & jnp.any(inp.stop_sx == next_s[:, None], axis=-1)
+        hit_s = hit_s | stop_s
+        ended_s = active_s & (stop_s | (gen_s >= inp.max_tokens_s))
+        return (k + 1, pools, next_s, pos_s + active_s, active_s & ~ended_s, gen_s, tokens_sk, logprobs_sk, hit_s,
+                *top)
+
+    state = (jnp.int32(0), pools, inp.token_s, inp.pos_s, inp.active_s, inp.gen_s, jnp.zeros((s, steps), jnp.int32),
+             jnp.zeros((s, steps), jnp.float32), jnp.zeros(s, bool))
+    if topk:
+        state += (jnp.zeros((s, steps, topk), jnp.int32), jnp.zeros((s, steps, topk), jnp.float32))
+    _, pools, _, _, active_s, gen_s, tokens_sk, logprobs_sk, hit_s, *top = jax.lax.while_loop(cond, body, state)
+    out = StepOutputs(tokens_sk, logprobs_sk, gen_s - inp.gen_s, inp.active_s & ~active_s, hit_s,
+                      *(top or (None, None)))
+    return pools, out
