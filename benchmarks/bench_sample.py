@@ -8,6 +8,13 @@ generates exactly that many), with rows on 1 adapter or spread over `--adapters`
 transformers + PEFT `generate` with `adapter_names` (PEFT's mixed-adapter batch inference). Prefill time
 is measured as a 1-token generation; decode tokens/s = rows * (new_tokens - 1) / (total - prefill).
 Prints one JSON line per (framework, workload) and a ratio line per workload.
+
+`--workload rl`: an RL sampling load through `backend.sample` in one call: `--rl-prompts` prompts of
+`--rl-prompt-len` tokens, `--rl-samples` samples each (T = 1, seeded, no stop), `max_tokens` drawn per
+request uniformly in [16, 256]; tx with each `--engine` (paged: shared prompt prefill, continuous batching;
+static: padded batches) and transformers + PEFT `generate(num_return_sequences=...)` per prompt. Each tx
+engine runs the workload twice and reports the second (warm) run. Reports generated tokens/s, prefill
+tokens computed and peak KV-cache bytes.
 """
 
 from __future__ import annotations
@@ -31,13 +38,15 @@ def prompts_for(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
 class TxRunner:
     name = "tx"
 
-    def __init__(self, model_dir: Path, adapters: int, args):
+    def __init__(self, model_dir: Path, adapters: int, args, engine: str = "static"):
         import tx
         from tx import types
 
         self.types = types
+        self.name = f"tx-{engine}"
         self.backend = tx.JaxBackend(str(model_dir), tx.JaxBackendConfig(
-            max_lora_adapters=adapters + 1, max_lora_rank=RANK, max_seq_len=max(args.prompt_lens) + args.new_tokens + 1))
+            max_lora_adapters=adapters + 1, max_lora_rank=RANK, sample_engine=engine,
+            max_seq_len=max(args.prompt_lens) + args.new_tokens + 1))
         for a in range(adapters):
             self.backend.create_model(f"m{a}", types.LoraConfig(rank=RANK, seed=a))
         self.adapters = adapters
@@ -55,7 +64,7 @@ class TxRunner:
         assert all(len(o.sequences[0].tokens) == new_tokens for o in out.values())
 
     def compiles(self) -> int:
-        return self.backend.metrics.compiles.get("sample", 0)
+        return sum(v for k, v in self.backend.metrics.compiles.items() if k.startswith("sample"))
 
 
 class HFRunner:
@@ -103,13 +112,25 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--skip-peer", action="store_true")
+    parser.add_argument("--workload", choices=["grid", "rl"], default="grid")
+    parser.add_argument("--engine", choices=["paged", "static", "both"], default="both", help="tx sampling engine(s)")
+    parser.add_argument("--rl-prompts", type=int, default=32)
+    parser.add_argument("--rl-samples", type=int, default=16)
+    parser.add_argument("--rl-prompt-len", type=int, default=512)
+    parser.add_argument("--rl-max-tokens", type=int, nargs=2, default=[16, 256], help="max_tokens range per request")
     args = parser.parse_args()
 
     import jax
 
+    engines = ["paged", "static"] if args.engine == "both" else [args.engine]
+    if args.workload == "rl":
+        with random_model(args) as (model_dir, params):
+            rl_workload(model_dir, params, args, engines)
+        return
     with random_model(args) as (model_dir, params):
         for adapters in (1, args.adapters):
-            runners = [TxRunner(model_dir, adapters, args)] + ([] if args.skip_peer else [HFRunner(model_dir, adapters, args)])
+            runners = [TxRunner(model_dir, adapters, args, e) for e in engines]
+            runners += [] if args.skip_peer else [HFRunner(model_dir, adapters, args)]
             for batch in args.batch_sizes:
                 for plen in args.prompt_lens:
                     prompts = prompts_for(batch, plen, args.vocab_size)
@@ -129,16 +150,94 @@ def main() -> None:
                             "decode_tokens_per_s": round(batch * (args.new_tokens - 1) / decode, 1),
                             "step_time_s": round(decode / max(args.new_tokens - 1, 1), 5),
                             "total_s": round(total, 4), "compiles": runner.compiles(),
-                            "device": jax.devices()[0].device_kind if runner.name == "tx" else "cpu",
+                            "device": jax.devices()[0].device_kind if runner.name.startswith("tx") else "cpu",
                         }
                         rows[runner.name] = row
                         print(json.dumps(row), flush=True)
-                    if len(rows) == 2:
-                        a, b = rows["tx"], rows["transformers+peft"]
-                        print(json.dumps({"workload": workload,
+                    for name in [n for n in rows if n.startswith("tx")] if "transformers+peft" in rows else []:
+                        a, b = rows[name], rows["transformers+peft"]
+                        print(json.dumps({"workload": workload, "engine": name,
                                           "ratio_decode_tx_over_peer": round(a["decode_tokens_per_s"] / b["decode_tokens_per_s"], 3),
                                           "ratio_prefill_tx_over_peer": round(a["prefill_tokens_per_s"] / b["prefill_tokens_per_s"], 3)}),
                               flush=True)
+
+
+def rl_workload(model_dir: Path, params: int, args, engines: list[str]) -> None:
+    import jax
+
+    import tx
+    from tx import types
+
+    rng = np.random.default_rng(0)
+    n, k, plen = args.rl_prompts, args.rl_samples, args.rl_prompt_len
+    prompts = rng.integers(3, args.vocab_size, (n, plen)).tolist()
+    max_tokens = rng.integers(args.rl_max_tokens[0], args.rl_max_tokens[1] + 1, n).tolist()
+    generated = k * sum(max_tokens)
+    shapes = {"params": params, "prompts": n, "samples": k, "prompt_len": plen, "max_tokens": args.rl_max_tokens,
+              "rank": RANK, "hidden": args.hidden_size, "layers": args.num_layers, "vocab": args.vocab_size}
+    batch = types.PreparedSampleBatch(
+        all_prompts=[p for p in prompts for _ in range(k)],
+        all_sampling_params=[types.SamplingParams(max_tokens=m, temperature=1.0, seed=i, stop=[])
+                             for i, m in enumerate(max_tokens) for _ in range(k)],
+        all_model_ids=["m0"] * n * k, all_checkpoint_ids=[""] * n * k, all_checkpoint_paths=[""] * n * k,
+        request_batch_slices=[(f"r{i}", "m0", i * k, (i + 1) * k, False, 0) for i in range(n)])
+    rows = {}
+    for engine in engines:
+        backend = tx.JaxBackend(str(model_dir), tx.JaxBackendConfig(
+            max_lora_adapters=2, max_lora_rank=RANK, max_seq_len=plen + args.rl_max_tokens[1] + 1,
+            max_num_samples=k, sample_engine=engine))
+        backend.create_model("m0", types.LoraConfig(rank=RANK, seed=0))
+        cfg, dtype_bytes = backend.model.config, backend.model.embed_tokens.embedding[...].dtype.itemsize
+        token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+        backend.sample(batch)  # compile
+        start = time.perf_counter()
+        out = backend.sample(batch)
+        elapsed = time.perf_counter() - start
+        assert sum(len(s.tokens) for o in out.values() for s in o.sequences) == generated
+        if engine == "paged":
+            stats = backend._sampler._paged.stats
+            prefill = stats["prefill_tokens"] // 2 + n * k  # per run (two runs), plus each row's last prompt token
+            kv_bytes = stats["peak_pages"] * backend.config.kv_page_size * token_bytes
+        else:
+            from tx.backends.batching import bucket_length, bucket_rows
+
+            prefill = n * k * plen
+            kv_bytes = bucket_rows(n * k, 1) * (bucket_length(plen) + bucket_length(max(max_tokens))) * token_bytes
+        rows[engine] = {"framework": f"tx-{engine}", "workload": "sample_rl", "shapes": shapes,
+                        "tokens_per_s": round(generated / elapsed, 1), "total_s": round(elapsed, 3),
+                        "prefill_tokens_computed": prefill, "peak_kv_bytes": kv_bytes,
+                        "compiles": sum(v for key, v in backend.metrics.compiles.items() if key.startswith("sample")),
+                        "device": jax.devices()[0].device_kind}
+        print(json.dumps(rows[engine]), flush=True)
+        del backend
+    if not args.skip_peer:
+        import torch
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=32, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"])).eval()
+        torch.manual_seed(0)
+        start = time.perf_counter()
+        with torch.no_grad():
+            for p, m in zip(prompts, max_tokens):
+                ids = torch.tensor([p])
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=m, min_new_tokens=m,
+                               do_sample=True, num_return_sequences=k, pad_token_id=0, use_cache=True)
+        elapsed = time.perf_counter() - start
+        rows["peer"] = {"framework": "transformers+peft", "workload": "sample_rl", "shapes": shapes,
+                        "tokens_per_s": round(generated / elapsed, 1), "total_s": round(elapsed, 3),
+                        "prefill_tokens_computed": n * k * plen,
+                        "peak_kv_bytes": k * (plen + args.rl_max_tokens[1]) * token_bytes, "device": "cpu"}
+        print(json.dumps(rows["peer"]), flush=True)
+    if "paged" in rows:
+        ratios = {f"tokens_per_s_paged_over_{o}": round(rows["paged"]["tokens_per_s"] / rows[o]["tokens_per_s"], 3)
+                  for o in rows if o != "paged"}
+        if "static" in rows:
+            ratios["prefill_paged_over_static"] = round(rows["paged"]["prefill_tokens_computed"]
+                                                        / rows["static"]["prefill_tokens_computed"], 4)
+        print(json.dumps({"workload": "sample_rl", **ratios}), flush=True)
 
 
 if __name__ == "__main__":
