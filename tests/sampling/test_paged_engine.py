@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import tx
+from tests.helpers import make_batch
 from tests.sampling.test_sample import PROMPTS, SP, sample_batch
 from tx import types
 from tx.models.adapters import get_adapter_weights, set_adapter_weights
@@ -58,10 +59,12 @@ def test_paged_equals_static_and_transformers(tiny_dirs, engines):
                           pad_token_id=0)[0, len(prompt):].tolist()
         assert got[f"g{i}"].sequences[0].tokens == ids
     assert len({tuple(s.tokens) for s in got["s"].sequences}) == 5  # seed + i per sample
-    # one prefill per request: the 5 samples of "s" and 2 of "k" share their prompt's
-    engine = paged._sampler._paged
-    assert engine.stats["prefill_tokens"] == sum(len(p) - 1 for p in PROMPTS) * 2 + len(PROMPTS[2]) - 1 + \
-        len(PROMPTS[0]) - 1
+    # one prefill per request (the 5 samples of "s" and 2 of "k" share their prompt's), and requests repeating
+    # an earlier prompt with the same weights read its full pages from the prefix cache
+    stats = paged._sampler._paged.stats
+    per_request = sum(len(p) - 1 for p in PROMPTS) * 2 + len(PROMPTS[2]) - 1 + len(PROMPTS[0]) - 1
+    assert stats["prefill_tokens"] + stats["prefill_tokens_cached"] == per_request
+    assert stats["prefill_tokens_cached"] >= 8  # "s" repeats "ga2"'s 8-token prefix: 2 full pages
 
 
 def test_small_pool_and_few_slots_wait_and_give_the_same_tokens(tiny_dirs, engines):
@@ -98,3 +101,34 @@ def test_topk_sample_logprobs_and_programs_stay_bounded(engines):
                                     False, 0)]))
     grown = {k: v - before.get(k, 0) for k, v in paged.metrics.compiles.items() if v != before.get(k, 0)}
     assert set(grown) <= {"sample_decode", "sample_copy_pages"}, grown  # slot buckets only (pow2 of live rows)
+
+
+def test_prefix_cache_reuses_prompts_and_conversations_until_weights_change(engines):
+    """A repeated prompt reads its full pages from the cache (and samples the same tokens); a resent
+    conversation (prompt + completion + a new turn) reuses the pages its first turn wrote; an optim_step
+    of the adapter makes its cached pages unusable while the base model's stay."""
+    _, paged = engines
+    engine = paged._sampler._paged
+    prompt = list(range(40, 63))  # 23 tokens: prefix 22 = 5 full pages of 4
+    params = SP(max_tokens=9, temperature=1.0, seed=11, stop=[])
+
+    def run(model, tokens):
+        before = dict(engine.stats)
+        out = paged.sample(sample_batch([("c", model, [(tokens, params)], False, 0)]))["c"].sequences[0]
+        return out, {k: engine.stats[k] - before[k] for k in ("prefill_tokens", "prefill_tokens_cached")}
+
+    first, cost = run("a", prompt)
+    again, cost_again = run("a", prompt)
+    assert again.tokens == first.tokens
+    assert cost_again == {"prefill_tokens": cost["prefill_tokens"] - 20, "prefill_tokens_cached": 20}
+    turn2 = prompt + first.tokens + [5, 6, 7]
+    _, cost2 = run("a", turn2)
+    assert cost2["prefill_tokens_cached"] == (len(prompt) + len(first.tokens) - 1) // 4 * 4
+    base, _ = run("", prompt)
+    paged.forward_backward(make_batch([("r", "a", [{"input_ids": prompt, "targets": prompt[1:] + [1],
+                                                    "weights": [1.0] * len(prompt)}], "cross_entropy", None)]))
+    paged.optim_step("a", types.OptimStepInput(adam_params=types.AdamParams(learning_rate=1e-2)))
+    _, after_step = run("a", prompt)
+    assert after_step["prefill_tokens_cached"] == 0  # the adapter's weights changed
+    base_again, base_cost = run("", prompt)
+    assert base_cost["prefill_tokens_cached"] == 20 and base_again.tokens == base.tokens

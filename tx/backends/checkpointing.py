@@ -140,7 +140,16 @@ class CheckpointMixin:
     # unload) an in-memory (persist=False) snapshot copies its slot once (shared by the snapshots of that
     # version); a persisted one is dropped and re-read from its file when sampled again.
 
+    def _slot_changed(self, slot: int) -> None:
+        """The weights of `slot` change: KV computed with the old ones must not be reused (prefix cache)."""
+        self._slot_epochs[slot] = self._slot_epochs.get(slot, 0) + 1
+
+    def kv_identity(self, slot: int) -> str:
+        """Names the weights rows of `slot` are computed with now (the prefix cache keys KV pages by it)."""
+        return f"lora:{slot}:{self._slot_epochs.get(slot, 0)}"
+
     def _init_snapshots(self) -> None:
+        self._slot_epochs: dict[int, int] = {}
         self._snapshots: OrderedDict[str, Snapshot] = OrderedDict()
         self._evicted: OrderedDict[str, str] = OrderedDict()  # in-memory snapshot -> why it is gone
 
@@ -189,6 +198,7 @@ class CheckpointMixin:
 
     def _before_slot_change(self, model_id: str, unloading: bool = False) -> None:
         """The weights of `model_id`'s slot are about to change: its snapshots stop being served from it."""
+        self._slot_changed(self._slot(model_id))
         copy = None
         for key, snap in list(self._snapshots.items()):
             if snap.model_id != model_id:
@@ -243,6 +253,7 @@ class CheckpointMixin:
             raise ValueError(f"no free adapter slot to load sampler checkpoint {path}: all "
                              f"{self.slots.num_slots - 1} slots hold models or checkpoints this call samples")
         try:
+            self._slot_changed(slot)
             write(slot)
         except BaseException:
             self.slots.forget(path)  # never leave a slot marked as holding a half-written checkpoint

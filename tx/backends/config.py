@@ -60,6 +60,8 @@ class JaxBackendConfig(BaseModel):
                                        "join and leave between calls)")
     paged_attention_impl: Literal["blocked", "reference"] = Field(
         "blocked", description="paged engine: attention over pages ('reference' gathers every page: the oracle)")
+    prefix_cache: bool = Field(True, description="paged engine: reuse the KV pages of prompt prefixes seen "
+                               "before with the same weights (full pages, least recently used evicted first)")
     kv_block: int = Field(64, ge=1, description="paged engine: tokens per attention block (a multiple of "
                           "kv_page_size)")
     max_num_samples: int = Field(128, ge=1, description="largest num_samples one sampling request may ask for")

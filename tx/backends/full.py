@@ -167,6 +167,9 @@ class FullBackend(JaxBackend):
             raise KeyError(f"unknown model_id {model_id!r}{live}")
         return FULL_ADAPTER
 
+    def kv_identity(self, slot: int) -> str:
+        return f"full:{self._weights_version}"
+
     def _sample_slot(self, model_id: str) -> int:
         if not model_id:
             owner = f" by model {self.live!r}" if self.live else ""

@@ -161,6 +161,8 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         if not 1 <= lora_config.rank <= self.config.max_lora_rank:
             raise ValueError(f"LoRA rank {lora_config.rank} must be in [1, max_lora_rank={self.config.max_lora_rank}]")
         slot = self.slots.take()
+        if slot is not None:
+            self._slot_changed(slot)
         if slot is None:
             raise ValueError(
                 f"no free adapter slot: all {self.config.max_lora_adapters - 1} slots are in use "

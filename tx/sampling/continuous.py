@@ -46,6 +46,7 @@ class RowResult:
     tokens: list[int]
     logprobs: list[float]
     stopped: bool  # ended on a stop token (else max_tokens)
+    cached_prompt_tokens: int = 0  # of its request's prompt, read from the prefix cache
     top_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
 
@@ -69,8 +70,10 @@ class _Group:
     rows: list[int]
     prompt: np.ndarray
     adapter: int
+    identity: str = ""  # the weights its KV is computed with (prefix-cache key)
     pages: list[int] = field(default_factory=list)
     prefilled: int = 0
+    cached: int = 0  # prompt tokens read from the prefix cache
     admitted: int = 0  # rows given a slot so far
     live: int = 0  # rows admitted and not finished
 
@@ -112,7 +115,10 @@ class PagedEngine:
         self.steps = cfg.decode_steps_per_call
         self.impl, self.kv_block = cfg.paged_attention_impl, cfg.kv_block
         self.pools: list | None = None
-        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "peak_pages": 0, "calls": 0}
+        self.pages = PageTable(self.num_pages, self.page)  # kept across calls: the prefix cache lives in it
+        self.prefix_cache = cfg.prefix_cache
+        self.stats = {"prefill_tokens": 0, "prefill_tokens_cached": 0, "decode_tokens": 0, "peak_pages": 0,
+                      "calls": 0}
 
     # ---- device state and programs ----
 
@@ -142,19 +148,28 @@ class PagedEngine:
     # ---- the loop ----
 
     def run(self, rows: list[SampleRow]) -> list[RowResult]:
+        try:
+            return self._run(rows)
+        except BaseException:
+            # pages held by the failed call's rows and (donated) pools are in an unknown state: start over
+            self.pages, self.pools = PageTable(self.num_pages, self.page), None
+            raise
+
+    def _run(self, rows: list[SampleRow]) -> list[RowResult]:
         results: list[RowResult | None] = [None] * len(rows)
         groups: dict[int, _Group] = {}
         for i, row in enumerate(rows):
             if row.max_tokens <= 0:
                 results[i] = RowResult([], [], False)
                 continue
-            g = groups.setdefault(row.request_index, _Group([], row.prompt, row.adapter))
+            g = groups.setdefault(row.request_index,
+                                  _Group([], row.prompt, row.adapter, self.backend.kv_identity(row.adapter)))
             g.rows.append(i)
         waiting = list(groups.values())
         prefilling: list[_Group] = []  # admitted, prompt not fully written
         ready: list[_Group] = []  # prompt written, rows waiting for a slot
         live: list[_Live] = []
-        pages = PageTable(self.num_pages, self.page)
+        pages = self.pages
         topk = max((r.options.topk_sample_logprobs for r in rows), default=0)
         topk = _pow2(topk) if topk else 0
         stop_width = max(4, _pow2(max((len(r.stop_tokens) for r in rows), default=1)))
@@ -162,10 +177,18 @@ class PagedEngine:
             # admit the next request once every earlier one's rows hold a slot
             if waiting and not prefilling and not ready:
                 g = waiting[0]
-                need = -(-g.prefix // self.page)
+                total = -(-g.prefix // self.page)
+                hits = pages.lookup(g.identity, g.prompt[: g.prefix]) if self.prefix_cache else []
+                need = total - len(hits)
                 if pages.available >= need + self._row_pages(g, rows[g.rows[0]]):
-                    g.pages = pages.allocate(need) if need else []
+                    g.pages = hits + (pages.allocate(need) if need else [])
+                    g.prefilled = g.cached = len(hits) * self.page
+                    self.stats["prefill_tokens_cached"] += g.prefilled
                     (prefilling if not g.ready else ready).append(waiting.pop(0))
+                    if g.ready:
+                        self._publish(g.identity, g.prompt[: g.prefix], g.pages)
+                else:
+                    pages.release(hits)
             copies: list[tuple[int, int]] = []
             while ready and len(live) < self.slots:
                 g = ready[0]
@@ -189,16 +212,25 @@ class PagedEngine:
                 for g in [g for g in prefilling if g.ready]:
                     prefilling.remove(g)
                     ready.append(g)
+                    self._publish(g.identity, g.prompt[: g.prefix], g.pages)
             if live:
                 for lv, done in zip(live, self._decode(live, rows, topk, stop_width)):
                     if done:
                         results[lv.row] = lv.result
+                        lv.result.cached_prompt_tokens = lv.group.cached
+                        # its written tokens (prompt, then every sampled token but the last) stay reusable
+                        written = np.concatenate([lv.group.prompt, np.asarray(lv.result.tokens[:-1], np.int32)])
+                        self._publish(lv.group.identity, written, lv.table)
                         pages.release(lv.own)
                         lv.group.live -= 1
                         if lv.group.live == 0 and lv.group.admitted == len(lv.group.rows) and lv.group.pages:
                             pages.release(lv.group.pages)
                 live = [lv for lv in live if results[lv.row] is None]
         return results  # type: ignore[return-value]
+
+    def _publish(self, identity: str, tokens: np.ndarray, table: list[int]) -> None:
+        if self.prefix_cache:
+            self.pages.publish(identity, tokens.tolist(), table)
 
     def _row_pages(self, g: _Group, row: SampleRow) -> int:
         """Pages of a row's own positions, from the prompt's last (partial) page to its last written token."""
