@@ -165,6 +165,7 @@ class EngineMetrics(_Strict):
     calls: dict[str, int] = {}
     tokens_real: dict[str, int] = {}
     tokens_padded: dict[str, int] = {}
+    sampling: dict[str, int] = {}  # the paged sampling engine's counters (prefill tokens computed / cached, ...)
 
 
 # ---- sampling types (filled by the sampling issue) ----
@@ -247,3 +248,4 @@ class SampleOutput(_Strict):
     prompt_alt_tokens: list[list[tuple[int, float]]] | None = Field(
         None, description="prompt_alt_tokens_k: per prompt position 1..n-1, k (id, log-prob) draws"
     )
+    prompt_cache_hit_tokens: int = Field(0, description="prompt tokens whose keys/values came from the prefix cache")

@@ -157,3 +157,13 @@ def test_valid_ttl_is_kept(client):
     rows = client.get(f"/api/v1/training_runs/{client.model_id}/checkpoints").json()["checkpoints"]
     expires = [row.get("expires_at") for row in rows]
     assert len(rows) == 1 and expires[0] is not None, rows
+
+
+def test_sample_response_carries_prompt_cache_hit_tokens():
+    from tx import types
+
+    out = types.SampleOutput(sequences=[types.GeneratedSequence(tokens=[3, 4], logprobs=[-0.5, -1.0],
+                                                                stop_reason="length")], prompt_cache_hit_tokens=12)
+    _, data = wire.encode_sample(out)
+    msg = pb.SampleResponse.FromString(data)
+    assert msg.prompt_cache_hit_tokens == 12 and len(msg.sequences) == 1

@@ -108,14 +108,16 @@ def test_prefix_cache_reuses_prompts_and_conversations_until_weights_change(engi
     conversation (prompt + completion + a new turn) reuses the pages its first turn wrote; an optim_step
     of the adapter makes its cached pages unusable while the base model's stay."""
     _, paged = engines
-    engine = paged._sampler._paged
+    stats = paged.metrics.sampling  # the engine's counters, as /api/v1/metrics reports them
     prompt = list(range(40, 63))  # 23 tokens: prefix 22 = 5 full pages of 4
     params = SP(max_tokens=9, temperature=1.0, seed=11, stop=[])
 
     def run(model, tokens):
-        before = dict(engine.stats)
-        out = paged.sample(sample_batch([("c", model, [(tokens, params)], False, 0)]))["c"].sequences[0]
-        return out, {k: engine.stats[k] - before[k] for k in ("prefill_tokens", "prefill_tokens_cached")}
+        before = dict(stats)
+        out = paged.sample(sample_batch([("c", model, [(tokens, params)], False, 0)]))["c"]
+        cost = {k: stats[k] - before.get(k, 0) for k in ("prefill_tokens", "prefill_tokens_cached")}
+        assert out.prompt_cache_hit_tokens == cost["prefill_tokens_cached"]  # reported per response too
+        return out.sequences[0], cost
 
     first, cost = run("a", prompt)
     again, cost_again = run("a", prompt)

@@ -214,6 +214,7 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
         backend = engine.backend.metrics
         return {"engine": dict(engine.metrics), "backend_compiles": backend.compiles, "backend_calls": backend.calls,
                 "backend_tokens_real": backend.tokens_real, "backend_tokens_padded": backend.tokens_padded,
+                "backend_sampling": backend.sampling,
                 "backend_calls_by_base_model": {name: b.metrics.calls for name, b in engine.backends.items()}}
 
     # ---- training ----

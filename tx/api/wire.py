@@ -212,6 +212,7 @@ def encode_sample(out: types.SampleOutput) -> tuple[str, bytes]:
             logprobs=np.asarray(seq.logprobs, np.float32).tobytes())
         if seq.topk_logprobs is not None:
             entry.topk_sampled_logprobs.CopyFrom(_topk(seq.topk_logprobs, max(map(len, seq.topk_logprobs), default=0)))
+    msg.prompt_cache_hit_tokens = out.prompt_cache_hit_tokens
     if out.target_prompt_logprobs is not None:
         msg.target_prompt_logprobs.CopyFrom(_target_logprobs(out.target_prompt_logprobs))
     if out.prompt_alt_tokens is not None:  # [len(prompt) - 1, k] pairs -> int64 ids and float32 log-probs

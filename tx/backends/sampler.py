@@ -185,6 +185,7 @@ class Sampler:
             batch.request_batch_slices[r][0]: types.ErrorResponse(error=msg) for r, msg in errors.items()
         }
         sequences: list[types.GeneratedSequence | None] = [None] * len(rows)
+        cached: dict[int, int] = {}  # request -> prompt tokens read from the prefix cache
         if backend.config.sample_engine == "paged":
             if self._paged is None:
                 self._paged = PagedEngine(self)
@@ -192,6 +193,7 @@ class Sampler:
             topk = _pow2(topk, 1) if topk else 0
             for i, res in enumerate(self._paged.run(rows)):
                 sequences[i] = sequence_of(res.as_outputs(topk), 0, rows[i], self.decode_text)
+                cached[rows[i].request_index] = res.cached_prompt_tokens
         else:
             for idx in self._chunk_rows(rows):
                 out = self._decode_chunk([rows[i] for i in idx])
@@ -209,7 +211,8 @@ class Sampler:
             scores = self._score_prompts([rows[by_request[r][0]] for r in scored], max(slices[r][5] for r in scored))
         for r, members in by_request.items():
             request_id, _, _, _, want_logprobs, want_topk = slices[r]
-            output = types.SampleOutput(sequences=[sequences[i] for i in members])
+            output = types.SampleOutput(sequences=[sequences[i] for i in members],
+                                        prompt_cache_hit_tokens=cached.get(r, 0))
             if r in score_row:
                 output = prompt_output(output, scores, score_row[r], rows[members[0]], want_logprobs, want_topk)
             results[request_id] = output

@@ -117,8 +117,9 @@ class PagedEngine:
         self.pools: list | None = None
         self.pages = PageTable(self.num_pages, self.page)  # kept across calls: the prefix cache lives in it
         self.prefix_cache = cfg.prefix_cache
-        self.stats = {"prefill_tokens": 0, "prefill_tokens_cached": 0, "decode_tokens": 0, "peak_pages": 0,
-                      "calls": 0}
+        self.stats = self.backend.metrics.sampling  # reported by /api/v1/metrics
+        self.stats.update({"prefill_tokens": 0, "prefill_tokens_cached": 0, "decode_tokens": 0, "peak_pages": 0,
+                           "calls": 0, "kv_cache_pages": self.num_pages})
 
     # ---- device state and programs ----
 
