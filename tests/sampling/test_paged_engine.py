@@ -134,3 +134,10 @@ def test_prefix_cache_reuses_prompts_and_conversations_until_weights_change(engi
     assert after_step["prefill_tokens_cached"] == 0  # the adapter's weights changed
     base_again, base_cost = run("", prompt)
     assert base_cost["prefill_tokens_cached"] == 20 and base_again.tokens == base.tokens
+
+
+def test_config_and_pool_errors_name_the_field(tiny_dirs):
+    with pytest.raises(ValueError, match="kv_block=10 must be a multiple of kv_page_size=4"):
+        tx.JaxBackendConfig(**BASE, **(PAGED | dict(kv_block=10)))
+    with pytest.raises(ValueError, match="kv_cache_pages=20 is below 51: the pool must hold one longest prompt"):
+        tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **(PAGED | dict(kv_cache_pages=20))))

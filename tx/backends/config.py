@@ -126,4 +126,6 @@ class JaxBackendConfig(BaseModel):
         if self.training_mode == "full" and self.dtype is not None:
             raise ValueError(f"dtype={self.dtype!r}: with training_mode='full' the parameter dtype is "
                              "mixed_precision.param_dtype")
+        if self.kv_block % self.kv_page_size:
+            raise ValueError(f"kv_block={self.kv_block} must be a multiple of kv_page_size={self.kv_page_size}")
         return self

@@ -53,7 +53,8 @@ class Sampler:
         self.model_dir = model_dir
         self.eos_ids = eos_token_ids(model_dir)
         self._tokenizer = None
-        self._paged: PagedEngine | None = None  # the paged engine and its KV pool, made at first use
+        # the paged engine (its KV pool is allocated at first use); a pool too small fails here, at startup
+        self._paged = PagedEngine(self) if backend.config.sample_engine == "paged" else None
 
     def decode_text(self, tokens: list[int]) -> str:
         if self._tokenizer is None:
@@ -187,8 +188,6 @@ class Sampler:
         sequences: list[types.GeneratedSequence | None] = [None] * len(rows)
         cached: dict[int, int] = {}  # request -> prompt tokens read from the prefix cache
         if backend.config.sample_engine == "paged":
-            if self._paged is None:
-                self._paged = PagedEngine(self)
             topk = max((r.options.topk_sample_logprobs for r in rows), default=0)
             topk = _pow2(topk, 1) if topk else 0
             for i, res in enumerate(self._paged.run(rows)):
