@@ -21,7 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tx.sampling.filters import row_keys, select_tokens
+from tx.sampling.filters import choose, row_keys
 
 
 class DecodeInputs(NamedTuple):
@@ -66,13 +66,11 @@ def generate(model, inp: DecodeInputs, max_new: int, topk: int = 0) -> DecodeOut
 
     def body(state):
         step, logits_bv, caches, tokens_bn, logprobs_bn, length_b, done_b, *top = state
-        token_b = select_tokens(logits_bv, row_keys(inp.seed_b, step), inp.temperature_b, inp.top_k_b, inp.top_p_b)
-        logsoftmax_bv = jax.nn.log_softmax(logits_bv.astype(jnp.float32), axis=-1)
-        logprob_b = jnp.take_along_axis(logsoftmax_bv, token_b[:, None], axis=-1)[:, 0]
+        token_b, logprob_b, chosen_top = choose(logits_bv, row_keys(inp.seed_b, step), inp.temperature_b, inp.top_k_b,
+                                                inp.top_p_b, topk)
         active_b = ~done_b
         if topk:
-            top_lp_bk, top_ids_bk = jax.lax.top_k(logsoftmax_bv, topk)
-            top = [top[0].at[:, step].set(top_ids_bk.astype(jnp.int32)), top[1].at[:, step].set(top_lp_bk)]
+            top = [top[0].at[:, step].set(chosen_top[0]), top[1].at[:, step].set(chosen_top[1])]
         tokens_bn = tokens_bn.at[:, step].set(jnp.where(active_b, token_b, 0))
         logprobs_bn = logprobs_bn.at[:, step].set(jnp.where(active_b, logprob_b, 0.0))
         length_b = length_b + active_b

@@ -52,3 +52,17 @@ def select_tokens(
     )
     sampled_b = jax.vmap(jax.random.categorical)(keys_b, filtered_bv)
     return jnp.where(temperature_b > 0, sampled_b, greedy_b).astype(jnp.int32)
+
+
+def choose(logits_bv: jax.Array, keys_b: jax.Array, temperature_b: jax.Array, top_k_b: jax.Array, top_p_b: jax.Array,
+           topk: int) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """(next token [b], its float32 log-prob under the unscaled distribution [b], and with `topk` > 0 the
+    (ids, log-probs) `[b, topk]` of that distribution's most likely tokens): one decode step's choice."""
+    token_b = select_tokens(logits_bv, keys_b, temperature_b, top_k_b, top_p_b)
+    logsoftmax_bv = jax.nn.log_softmax(logits_bv.astype(jnp.float32), axis=-1)
+    logprob_b = jnp.take_along_axis(logsoftmax_bv, token_b[:, None], axis=-1)[:, 0]
+    top = None
+    if topk:
+        top_lp_bk, top_ids_bk = jax.lax.top_k(logsoftmax_bv, topk)
+        top = (top_ids_bk.astype(jnp.int32), top_lp_bk)
+    return token_b, logprob_b, top

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tx.sampling.filters import select_tokens
+from tx.sampling.filters import choose
 
 Pools = list[tuple[jax.Array, jax.Array]]
 
@@ -86,12 +86,10 @@ def decode_steps(model, pools: Pools, inp: SlotInputs, steps: int, topk: int, im
         hidden_s1d, pools = model.paged_forward(token_s[:, None], pos_s[:, None], active_s[:, None], inp.adapter_s,
                                                 pools, inp.table_sw, impl, kv_block)
         logits_sv = model.logits(hidden_s1d, inp.adapter_s)[:, 0]
-        next_s = select_tokens(logits_sv, slot_keys(inp.seed_s, gen_s), inp.temperature_s, inp.top_k_s, inp.top_p_s)
-        logsoftmax_sv = jax.nn.log_softmax(logits_sv.astype(jnp.float32), axis=-1)
-        logprob_s = jnp.take_along_axis(logsoftmax_sv, next_s[:, None], axis=-1)[:, 0]
+        next_s, logprob_s, chosen_top = choose(logits_sv, slot_keys(inp.seed_s, gen_s), inp.temperature_s,
+                                               inp.top_k_s, inp.top_p_s, topk)
         if topk:
-            top_lp_sq, top_ids_sq = jax.lax.top_k(logsoftmax_sv, topk)
-            top = [top[0].at[:, k].set(top_ids_sq.astype(jnp.int32)), top[1].at[:, k].set(top_lp_sq)]
+            top = [top[0].at[:, k].set(chosen_top[0]), top[1].at[:, k].set(chosen_top[1])]
         tokens_sk = tokens_sk.at[:, k].set(jnp.where(active_s, next_s, 0))
         logprobs_sk = logprobs_sk.at[:, k].set(jnp.where(active_s, logprob_s, 0.0))
         gen_s = gen_s + active_s
