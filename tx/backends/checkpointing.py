@@ -144,8 +144,12 @@ class CheckpointMixin:
         """The weights of `slot` change: KV computed with the old ones must not be reused (prefix cache)."""
         self._slot_epochs[slot] = self._slot_epochs.get(slot, 0) + 1
 
-    def kv_identity(self, slot: int) -> str:
-        """Names the weights rows of `slot` are computed with now (the prefix cache keys KV pages by it)."""
+    def kv_identity(self, slot: int) -> str | None:
+        """Names the weights rows of `slot` are computed with now (the prefix cache keys KV pages by it), or
+        None when the slot's weights are shared by tenants (the base model, sampler checkpoints): a cache hit
+        there would tell one tenant what another sent, so such rows never reuse other requests' pages."""
+        if slot not in {m.adapter_index for m in self.models.values()}:
+            return None
         return f"lora:{slot}:{self._slot_epochs.get(slot, 0)}"
 
     def _init_snapshots(self) -> None:

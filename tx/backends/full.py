@@ -167,8 +167,8 @@ class FullBackend(JaxBackend):
             raise KeyError(f"unknown model_id {model_id!r}{live}")
         return FULL_ADAPTER
 
-    def kv_identity(self, slot: int) -> str:
-        return f"full:{self._weights_version}"
+    def kv_identity(self, slot: int) -> str | None:
+        return f"full:{self._weights_version}"  # the one live model's weights: its owner's alone
 
     def _sample_slot(self, model_id: str) -> int:
         if not model_id:

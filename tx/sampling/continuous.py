@@ -70,7 +70,7 @@ class _Group:
     rows: list[int]
     prompt: np.ndarray
     adapter: int
-    identity: str = ""  # the weights its KV is computed with (prefix-cache key)
+    identity: str | None = None  # the weights its KV is computed with (prefix-cache key); None: not shared
     pages: list[int] = field(default_factory=list)
     prefilled: int = 0
     cached: int = 0  # prompt tokens read from the prefix cache
@@ -179,7 +179,7 @@ class PagedEngine:
             if waiting and not prefilling and not ready:
                 g = waiting[0]
                 total = -(-g.prefix // self.page)
-                hits = pages.lookup(g.identity, g.prompt[: g.prefix]) if self.prefix_cache else []
+                hits = pages.lookup(g.identity, g.prompt[: g.prefix]) if self._caching(g.identity) else []
                 need = total - len(hits)
                 if pages.available >= need + self._row_pages(g, rows[g.rows[0]]):
                     g.pages = hits + (pages.allocate(need) if need else [])
@@ -229,8 +229,11 @@ class PagedEngine:
                 live = [lv for lv in live if results[lv.row] is None]
         return results  # type: ignore[return-value]
 
-    def _publish(self, identity: str, tokens: np.ndarray, table: list[int]) -> None:
-        if self.prefix_cache:
+    def _caching(self, identity: str | None) -> bool:
+        return self.prefix_cache and identity is not None
+
+    def _publish(self, identity: str | None, tokens: np.ndarray, table: list[int]) -> None:
+        if self._caching(identity):
             self.pages.publish(identity, tokens.tolist(), table)
 
     def _row_pages(self, g: _Group, row: SampleRow) -> int:
