@@ -170,17 +170,24 @@ def rl_workload(model_dir: Path, params: int, args, engines: list[str]) -> None:
 
     rng = np.random.default_rng(0)
     n, k, plen = args.rl_prompts, args.rl_samples, args.rl_prompt_len
-    prompts = rng.integers(3, args.vocab_size, (n, plen)).tolist()
     max_tokens = rng.integers(args.rl_max_tokens[0], args.rl_max_tokens[1] + 1, n).tolist()
     generated = k * sum(max_tokens)
     shapes = {"params": params, "prompts": n, "samples": k, "prompt_len": plen, "max_tokens": args.rl_max_tokens,
               "rank": RANK, "hidden": args.hidden_size, "layers": args.num_layers, "vocab": args.vocab_size}
-    batch = types.PreparedSampleBatch(
-        all_prompts=[p for p in prompts for _ in range(k)],
-        all_sampling_params=[types.SamplingParams(max_tokens=m, temperature=1.0, seed=i, stop=[])
-                             for i, m in enumerate(max_tokens) for _ in range(k)],
-        all_model_ids=["m0"] * n * k, all_checkpoint_ids=[""] * n * k, all_checkpoint_paths=[""] * n * k,
-        request_batch_slices=[(f"r{i}", "m0", i * k, (i + 1) * k, False, 0) for i in range(n)])
+
+    def rl_batch(prompts):
+        return types.PreparedSampleBatch(
+            all_prompts=[p for p in prompts for _ in range(k)],
+            all_sampling_params=[types.SamplingParams(max_tokens=m, temperature=1.0, seed=i, stop=[])
+                                 for i, m in enumerate(max_tokens) for _ in range(k)],
+            all_model_ids=["m0"] * n * k, all_checkpoint_ids=[""] * n * k, all_checkpoint_paths=[""] * n * k,
+            request_batch_slices=[(f"r{i}", "m0", i * k, (i + 1) * k, False, 0) for i in range(n)])
+
+    # the warm-up (compiling) run samples other prompts of the same shapes: the timed run's prompts are new
+    # to the prefix cache, as a new RL step's are
+    warm = rl_batch(rng.integers(3, args.vocab_size, (n, plen)).tolist())
+    prompts = rng.integers(3, args.vocab_size, (n, plen)).tolist()
+    batch = rl_batch(prompts)
     rows = {}
     for engine in engines:
         backend = tx.JaxBackend(str(model_dir), tx.JaxBackendConfig(
@@ -189,15 +196,20 @@ def rl_workload(model_dir: Path, params: int, args, engines: list[str]) -> None:
         backend.create_model("m0", types.LoraConfig(rank=RANK, seed=0))
         cfg, dtype_bytes = backend.model.config, backend.model.embed_tokens.embedding[...].dtype.itemsize
         token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
-        backend.sample(batch)  # compile
+        backend.sample(warm)  # compile
+        before = dict(backend.metrics.sampling)
         start = time.perf_counter()
         out = backend.sample(batch)
         elapsed = time.perf_counter() - start
         assert sum(len(s.tokens) for o in out.values() for s in o.sequences) == generated
+        extra = {}
         if engine == "paged":
-            stats = backend._sampler._paged.stats
-            prefill = stats["prefill_tokens"] // 2 + n * k  # per run (two runs), plus each row's last prompt token
+            stats = backend.metrics.sampling
+            # prompt tokens prefilled in the timed run, plus each row's last prompt token (its first decode input)
+            prefill = stats["prefill_tokens"] - before["prefill_tokens"] + n * k
             kv_bytes = stats["peak_pages"] * backend.config.kv_page_size * token_bytes
+            extra = {"preempted": stats["preempted"] - before["preempted"],
+                     "prefill_tokens_cached": stats["prefill_tokens_cached"] - before["prefill_tokens_cached"]}
         else:
             from tx.backends.batching import bucket_length, bucket_rows
 
@@ -207,7 +219,7 @@ def rl_workload(model_dir: Path, params: int, args, engines: list[str]) -> None:
                         "tokens_per_s": round(generated / elapsed, 1), "total_s": round(elapsed, 3),
                         "prefill_tokens_computed": prefill, "peak_kv_bytes": kv_bytes,
                         "compiles": sum(v for key, v in backend.metrics.compiles.items() if key.startswith("sample")),
-                        "device": jax.devices()[0].device_kind}
+                        "device": jax.devices()[0].device_kind, **extra}
         print(json.dumps(rows[engine]), flush=True)
         del backend
     if not args.skip_peer:

@@ -179,6 +179,11 @@ class SamplingParams(_Strict):
     temperature: float = Field(1.0, description="0 = greedy")
     top_k: int = Field(-1, description="keep the k most likely tokens; -1 or 0 = off")
     top_p: float = Field(1.0, description="nucleus mass in (0, 1]; 1 = off")
+    min_p: float = Field(0.0, description="drop tokens less likely than min_p * the most likely one's probability "
+                         "(after temperature), in [0, 1]; 0 = off. Not in Tinker's SDK: in-process API only")
+    repetition_penalty: float = Field(
+        1.0, description="> 0; tokens of the prompt or generated so far get logit / r (logit > 0) or logit * r; "
+        "1 = off. Changes the choice only, not the returned log-probs. Not in Tinker's SDK: in-process API only")
     seed: int | None = Field(None, description="sample i of a request uses seed + i; None derives one from the request id")
     stop: list[int] | list[str] | None = Field(
         None, description="stop token ids or stop strings; None = the model's EOS; [] = never stop early"
@@ -228,6 +233,11 @@ class PreparedSampleBatch(_Strict):
     )
     request_options: list[SampleOptions] = Field(
         default_factory=list, description="per request, aligned with request_batch_slices ([] = all defaults)"
+    )
+    request_tenants: list[str] = Field(
+        default_factory=list, description="per request, who sent it (aligned with request_batch_slices): the "
+        "prefix-cache partition of its rows. [] or '': rows on weights tenants share (the base model, sampler "
+        "checkpoints) never reuse KV pages of other requests"
     )
 
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from tests.ports import free_ports
 
 API_KEY = "tml-tx-test-key"
 # SDK clients by server URL: closed before their server stops, so that no heartbeat or telemetry thread
@@ -19,9 +20,7 @@ CLIENTS: dict[str, list] = {}
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)
 
 
 class Server:

@@ -381,18 +381,18 @@ HOSTILE_SAMPLES = {
 def test_bystander_sample_survives_hostile_sample_in_same_round(world, hostile):
     """Defect 11: one tenant's bad sampling request must not fail another's in the same backend call."""
     world.settle()
-    original = world.backend.sample
+    original = world.backend.sample_submit
     calls: list[int] = []
     entered, gate = threading.Event(), threading.Event()
 
-    def gated(batch):  # hold the engine in a first sampling call so that the next two queue together
+    def gated(batch):  # hold the engine in a first sampling submit so that the next two queue together
         calls.append(len(batch.request_batch_slices))
         if len(calls) == 1:
             entered.set()
             gate.wait(60)
         return original(batch)
 
-    world.backend.sample = gated
+    world.backend.sample_submit = gated
     try:
         first = world.sample(world.bystander_sampler, BYSTANDER)
         assert entered.wait(60)
@@ -407,9 +407,9 @@ def test_bystander_sample_survives_hostile_sample_in_same_round(world, hostile):
                    for rid in (first, good, bad) if rid is not None}
     finally:
         gate.set()
-        del world.backend.sample
+        del world.backend.sample_submit
     if bad is not None:
-        assert calls[1] == 2, f"the hostile and the bystander's requests ran in separate calls: {calls}"
+        assert calls[1] == 2, f"the hostile and the bystander's requests were submitted separately: {calls}"
     status, result = results[good]
     assert status == "done", f"the bystander's sample failed because of another tenant's request: {result}"
     response = pb.SampleResponse()

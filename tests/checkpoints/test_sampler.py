@@ -2,7 +2,6 @@
 training goes on, the slot LRU cache, persist=False, S3 round trip, crash safety, malicious tarballs."""
 
 import io
-import socket
 import tarfile
 
 import numpy as np
@@ -14,6 +13,7 @@ from transformers import AutoModelForCausalLM
 import tx
 from tests.backends.test_jax_backend import CONFIG, slot_weights, step
 from tests.helpers import hf_logprobs, random_datums
+from tests.ports import free_ports
 from tests.sampling.test_sample import SP, sample_batch
 from tx import types
 from tx.checkpoints import storage
@@ -162,9 +162,7 @@ def test_malicious_tarballs_are_rejected(tiny_dirs, tmp_path):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from tests.ports import free_ports
 from tx.distributed import auth
 from tx.distributed.control import Coordinator, RemoteError, WorkerFailure
 from tx.distributed.rpc import Channel
@@ -23,9 +24,7 @@ HELLO = {"process_id": 1, "pid": 1, "losses": []}
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)
 
 
 def start_coordinator(port: int, **kw) -> dict:

@@ -1,9 +1,9 @@
-"""Two real processes on 127.0.0.1 (4 CPU devices each, gloo) against one process with 8 devices:
-same results for every backend method; errors on workers; dead and stopped workers; CLI behaviour."""
+"""Two real processes on 127.0.0.1 (4 CPU devices each, gloo): errors on workers; dead and stopped workers;
+CLI behaviour. The helpers here start such pairs (and the one-process peer) for the other multi-host tests;
+parity with one process is in test_multihost_parity.py (its own file, so xdist runs it beside these)."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,23 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.ports import free_ports
+
 DRIVER = Path(__file__).with_name("driver.py")
 ROOT = Path(__file__).parents[2]
 
 
 def _ports() -> int:
     """A port p with p and p + 1 free (jax coordinator, control channel)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
+    return free_ports(2)
 
 
 def _env(devices: int) -> dict:
@@ -87,24 +79,6 @@ def _close(a, b, path=""):
         assert a == b, path  # token ids: exactly equal
     else:
         np.testing.assert_allclose(np.asarray(a, float), np.asarray(b, float), atol=2e-5, rtol=1e-5, err_msg=path)
-
-
-@pytest.mark.parametrize("name", ["moe"])  # dense layers are covered by the full-training run below
-def test_two_processes_equal_one_process(tiny_dirs, tmp_path, name):
-    multi, worker_rc, _ = run_pair("parity", tiny_dirs[name], tmp_path)
-    single = run_single("parity", tiny_dirs[name], tmp_path)
-    _close(multi, single)
-    assert worker_rc == 0  # clean shutdown from process 0
-
-
-def test_full_training_two_processes_equal_one_process(tiny_dirs, tmp_path):
-    """training_mode='full' (fp32) on a (2, 2, 2) mesh over two processes == one process with 8 devices:
-    steps, forward, sampling, a checkpoint saved by both hosts and loaded back, a sampler save."""
-    multi, worker_rc, _ = run_pair("full_parity", tiny_dirs["dense"], tmp_path)
-    single = run_single("full_parity", tiny_dirs["dense"], tmp_path)
-    _close(multi, single)
-    assert multi["restored"] == multi["forward"] and multi["step2_again"] == multi["step2"]  # exact resume
-    assert worker_rc == 0
 
 
 def test_worker_errors_are_reported_and_the_next_call_works(tiny_dirs, tmp_path):

@@ -1,12 +1,17 @@
 """Paged attention against numpy attention over each sequence's unpaged K/V, page writes, and the blocked
-kernel's batch invariance (a row's output is bit-identical whatever the other rows and the table width)."""
+and Pallas kernels' batch invariance (a row's output is bit-identical whatever the other rows and the table
+width). The Pallas kernel runs in interpret mode on CPU."""
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from tx.kernels.paged_attention import TRASH_PAGE, paged_attention, token_slots, write_kv_pages
+from tx.kernels.paged_pallas import pallas_paged_attention
 
 L, PAGES, P, KV, H, D = 2, 40, 4, 2, 4, 8
 
@@ -46,9 +51,12 @@ def unpaged(pool, layer, table_row, n):
     return np.concatenate([pool[layer, p] for p in table_row])[:n]
 
 
-@pytest.mark.parametrize("impl,kv_block", [("reference", 0), ("blocked", 4), ("blocked", 8)])
+@pytest.mark.parametrize("impl,kv_block", [("reference", 0), ("blocked", 4), ("blocked", 8), ("pallas", 4),
+                                           ("pallas", 8)])
 @pytest.mark.parametrize("t", [1, 3])
 def test_matches_numpy_attention(impl, kv_block, t):
+    """GQA (2 query heads per kv head), shuffled pages, ragged lengths, a table 7 pages wide (row 1's is
+    padded with the trash page after its one page), decode (t=1) and a prefill chunk (t=3)."""
     lengths = [13, 3, 22]
     q, k_pool, v_pool, table, q_pos = make_case(0, lengths, t, width=7)
     scale = D ** -0.5
@@ -60,24 +68,26 @@ def test_matches_numpy_attention(impl, kv_block, t):
             np.testing.assert_allclose(np.asarray(out[b]), want, atol=1e-5, rtol=1e-5)
 
 
-def test_bf16_within_bf16_error():
+@pytest.mark.parametrize("impl", ["blocked", "pallas"])
+def test_bf16_within_bf16_error(impl):
     lengths = [17, 9]
     q, k_pool, v_pool, table, q_pos = make_case(1, lengths, 1, dtype=jnp.bfloat16)
-    out = paged_attention(q, k_pool, v_pool, 1, table, q_pos, 0.3, impl="blocked", kv_block=8)
+    out = paged_attention(q, k_pool, v_pool, 1, table, q_pos, 0.3, impl=impl, kv_block=8)
     for b, n in enumerate(lengths):
         want = numpy_attention(np.asarray(q[b], np.float64), unpaged(k_pool, 1, table[b], n),
                                unpaged(v_pool, 1, table[b], n), np.asarray(q_pos[b]), 0.3)
         np.testing.assert_allclose(np.asarray(out[b], np.float64), want, atol=3e-2)
 
 
-def test_blocked_rows_are_bit_identical_whatever_the_batch_and_width():
+@pytest.mark.parametrize("impl", ["blocked", "pallas"])
+def test_rows_are_bit_identical_whatever_the_batch_and_width(impl):
     """Row 0 (10 tokens) alone in a 2-row batch with a short neighbour, then beside a 30-token neighbour
     (three more blocks run) in a table twice as wide: its output does not change by one bit."""
     q, k_pool, v_pool, table, q_pos = make_case(2, [10, 30], 1, width=16)
     fn = jax.jit(paged_attention, static_argnames=("impl", "kv_block", "scale"))
-    wide = fn(q, k_pool, v_pool, 0, table, q_pos, scale=0.25, impl="blocked", kv_block=4)
+    wide = fn(q, k_pool, v_pool, 0, table, q_pos, scale=0.25, impl=impl, kv_block=4)
     short_q_pos = q_pos.at[1].set(2)  # the neighbour now needs one block only
-    narrow = fn(q, k_pool, v_pool, 0, table[:, :8], short_q_pos, scale=0.25, impl="blocked", kv_block=4)
+    narrow = fn(q, k_pool, v_pool, 0, table[:, :8], short_q_pos, scale=0.25, impl=impl, kv_block=4)
     np.testing.assert_array_equal(np.asarray(wide[0]), np.asarray(narrow[0]))
 
 
@@ -106,3 +116,50 @@ def test_unknown_impl_and_bad_block_are_named():
         paged_attention(q, k_pool, v_pool, 0, table, q_pos, 1.0, impl="nope")
     with pytest.raises(ValueError, match="kv_block=6 must be a multiple of the page size 4"):
         paged_attention(q, k_pool, v_pool, 0, table, q_pos, 1.0, impl="blocked", kv_block=6)
+    with pytest.raises(ValueError, match="kv_block=6 must be a multiple of the page size 4"):
+        paged_attention(q, k_pool, v_pool, 0, table, q_pos, 1.0, impl="pallas", kv_block=6)
+    with pytest.raises(ValueError, match="kv_heads_per_step=3 must divide num kv heads 2"):
+        pallas_paged_attention(q, k_pool, v_pool, 0, table, q_pos, 1.0, 4, kv_heads_per_step=3)
+
+
+@pytest.mark.parametrize("kv_heads_per_step,interpret", [(None, True), (1, True), (None, "tpu")])
+def test_pallas_reads_no_block_past_a_rows_furthest_query(kv_heads_per_step, interpret):
+    """Tables of 8 pages (32 tokens) whose pages past each row's last needed block (kv_block 8: two pages)
+    hold NaN, as pages allocated ahead for decode may: the Pallas kernel never computes with them. Row 0's
+    queries end in block 0, row 1's in block 1; row 2 has one page and a table padded with the trash page.
+    One kv head per grid step or both at once; Pallas's generic interpreter, or its TPU interpreter (which
+    simulates SMEM/VMEM and the block copies)."""
+    if interpret == "tpu":
+        interpret = pltpu.InterpretParams()
+    q, k_pool, v_pool, table, q_pos = make_case(4, [32, 32, 32], 2, width=8)
+    table = table.at[2, 1:].set(TRASH_PAGE)
+    q_pos = jnp.asarray([[3, 4], [12, 13], [0, 2]], jnp.int32)
+    stale = jnp.concatenate([table[0, 2:], table[1, 4:]])  # blocks 1.. of row 0, blocks 2.. of row 1
+    k_pool, v_pool = k_pool.at[:, stale].set(jnp.nan), v_pool.at[:, stale].set(jnp.nan)
+    out = pallas_paged_attention(q, k_pool, v_pool, 1, table, q_pos, 0.4, 8, kv_heads_per_step=kv_heads_per_step,
+                                 interpret=interpret)
+    for b in range(3):
+        n = int(q_pos[b, -1]) + 1
+        want = numpy_attention(np.asarray(q[b], np.float64), unpaged(k_pool, 1, table[b], n),
+                               unpaged(v_pool, 1, table[b], n), np.asarray(q_pos[b]), 0.4)
+        np.testing.assert_allclose(np.asarray(out[b]), want, atol=1e-5, rtol=1e-5)
+
+
+def test_pallas_lowers_for_tpu():
+    """The compiled (not interpreted) kernel lowers to a Mosaic TPU custom call, exported from CPU: block
+    shapes, scalar prefetch and the kernel body pass Pallas's TPU lowering (Mosaic's own compile runs on a
+    TPU only). One kv head per step is refused there: a block's second-minor dim must be whole or a
+    multiple of 8."""
+    b, t, w, page, kv, h, d = 2, 4, 8, 16, 2, 8, 128
+    spec = jax.ShapeDtypeStruct
+    args = (spec((b, t, h, d), jnp.bfloat16), spec((2, 32, page, kv, d), jnp.bfloat16),
+            spec((2, 32, page, kv, d), jnp.bfloat16), spec((), jnp.int32), spec((b, w), jnp.int32),
+            spec((b, t), jnp.int32))
+
+    def compiled(*a, kv_heads_per_step=None):
+        return pallas_paged_attention(*a, 0.1, 32, kv_heads_per_step=kv_heads_per_step, interpret=False)
+
+    exported = jax.export.export(jax.jit(compiled), platforms=("tpu",))(*args)
+    assert "tpu_custom_call" in exported.mlir_module()
+    with pytest.raises(ValueError, match="kv_heads_per_step=1 must be num kv heads 2 or a multiple of 8"):
+        jax.export.export(jax.jit(partial(compiled, kv_heads_per_step=1)), platforms=("tpu",))(*args)

@@ -1,7 +1,8 @@
 """The model's paged path (the sampling engine's): a prompt prefilled chunk by chunk into KV pages, then
 decoded token by token, gives the logits of the plain forward over the whole sequence (itself checked
-against transformers in test_qwen3_parity.py), for dense and MoE models with mixed LoRA adapters; the
-decode program updates the donated pools in place."""
+against transformers in test_qwen3_parity.py), for dense and MoE models with mixed LoRA adapters and the
+blocked and Pallas (interpret mode on CPU) attention kernels; the decode program updates the donated pools
+in place."""
 
 from functools import partial
 
@@ -50,7 +51,7 @@ def paged_runner(model, impl, kv_block):
     return lambda *args: run(state, *args)
 
 
-@pytest.mark.parametrize("name,impl,kv_block", [("dense", "blocked", 8), ("moe", "blocked", 4)])
+@pytest.mark.parametrize("name,impl,kv_block", [("dense", "blocked", 8), ("moe", "blocked", 4), ("dense", "pallas", 8)])
 def test_chunked_prefill_then_decode_equals_forward(tiny_dirs, name, impl, kv_block):
     model = model_with_adapters(tiny_dirs[name])
     rng = np.random.default_rng(0)

@@ -21,7 +21,7 @@ PAGED = dict(sample_engine="paged", kv_page_size=4, kv_block=8, prefill_chunk=8,
 @pytest.fixture(scope="module")
 def engines(tiny_dirs):
     """(static backend, paged backend) on the dense tiny model, adapter "a" holding the same random weights."""
-    static = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE))
+    static = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, sample_engine="static"))
     paged = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **PAGED))
     for backend in (static, paged):
         backend.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
@@ -101,7 +101,7 @@ def test_topk_sample_logprobs_and_programs_stay_bounded(engines):
         paged.sample(sample_batch([("v", "a", [(PROMPTS[1], SP(max_tokens=m, temperature=0.5, seed=m))] * 3,
                                     False, 0)]))
     grown = {k: v - before.get(k, 0) for k, v in paged.metrics.compiles.items() if v != before.get(k, 0)}
-    assert set(grown) <= {"sample_decode", "sample_copy_pages"}, grown  # slot buckets only (pow2 of live rows)
+    assert set(grown) <= {"sample_decode"}, grown  # slot buckets only (powers of 2 of live rows)
 
 
 def test_prefix_cache_reuses_prompts_and_conversations_until_weights_change(engines):
@@ -143,3 +143,23 @@ def test_config_and_pool_errors_name_the_field(tiny_dirs):
         tx.JaxBackendConfig(**BASE, **(PAGED | dict(kv_block=10)))
     with pytest.raises(ValueError, match="kv_cache_pages=20 is below 51: the pool must hold one longest prompt"):
         tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **(PAGED | dict(kv_cache_pages=20))))
+
+
+def test_min_p_and_repetition_penalty_equal_the_static_engine(engines):
+    """The paged engine's penalty (token sets of prompt + output, updated on device each step) and min-p give
+    the static engine's tokens (which tests/sampling/test_sample.py checks against transformers)."""
+    static, paged = engines  # base-model rows: an earlier test trains the paged backend's adapter
+    requests = [("rp", "", [(PROMPTS[2], SP(max_tokens=20, temperature=0.0, repetition_penalty=1.5, stop=[]))],
+                 False, 0),
+                ("mp", "", [(PROMPTS[0], SP(max_tokens=12, temperature=1.0, min_p=0.2, seed=7, stop=[]))] * 3, False, 0),
+                ("both", "", [(PROMPTS[1], SP(max_tokens=15, temperature=0.9, min_p=0.05, repetition_penalty=0.8,
+                                               seed=2, stop=[]))] * 2, False, 0),
+                ("plain", "", [(PROMPTS[3], SP(max_tokens=9, temperature=0.0, stop=[]))], False, 0)]
+    want, got = static.sample(sample_batch(requests)), paged.sample(sample_batch(requests))
+    for request_id, *_ in requests:
+        assert [s.tokens for s in want[request_id].sequences] == [s.tokens for s in got[request_id].sequences]
+        for x, y in zip(want[request_id].sequences, got[request_id].sequences):
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)
+    plain = paged.sample(sample_batch([("rp", "", [(PROMPTS[2], SP(max_tokens=20, temperature=0.0, stop=[]))],
+                                        False, 0)]))["rp"]
+    assert plain.sequences[0].tokens != got["rp"].sequences[0].tokens  # the penalty changed the greedy path

@@ -1,5 +1,6 @@
-"""JaxBackend.sample: greedy parity with transformers generate (base and LoRA via PEFT), sampled-token
-log-probs vs forward, prompt log-probs, seeds, stops, compile counts, bad parameters."""
+"""JaxBackend.sample: greedy parity with transformers generate (base and LoRA via PEFT; with a repetition
+penalty), sampled-token log-probs vs forward, min-p support, prompt log-probs, seeds, stops, compile counts, bad
+parameters."""
 
 import json
 import shutil
@@ -16,7 +17,9 @@ from tx import types
 from tx.models.adapters import set_adapter_weights
 
 SP = types.SamplingParams
-CONFIG = tx.JaxBackendConfig(max_lora_adapters=4, max_lora_rank=8, max_seq_len=96, max_num_samples=8)
+# the static engine (the paged one is checked against it: tests/sampling/test_paged_engine.py)
+CONFIG = tx.JaxBackendConfig(max_lora_adapters=4, max_lora_rank=8, max_seq_len=96, max_num_samples=8,
+                             sample_engine="static")
 PROMPTS = [[5, 17, 99, 3], [42, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [300]]
 
 
@@ -178,6 +181,14 @@ def test_bad_parameters_fail_alone_and_chunking(tiny_dirs):
         "too_long": ([(list(range(90)), SP(max_tokens=10))], "exceeds max_seq_len=96"),
         "bad_token": ([([1, 600], SP(max_tokens=2))], "prompt[1] = 600 is outside the vocabulary"),
         "unknown_model": ([(PROMPTS[0], SP(max_tokens=2))], "unknown model_id 'ghost'"),
+        "min_p_neg": ([(PROMPTS[0], SP(min_p=-0.1))], "min_p = -0.1 must be in [0, 1]"),
+        "min_p_big": ([(PROMPTS[0], SP(min_p=1.5))], "min_p = 1.5 must be in [0, 1]"),
+        "min_p_nan": ([(PROMPTS[0], SP(min_p=float("nan")))], "min_p = nan must be in [0, 1]"),
+        "penalty_zero": ([(PROMPTS[0], SP(repetition_penalty=0.0))], "repetition_penalty = 0.0 must be"),
+        "penalty_neg": ([(PROMPTS[0], SP(repetition_penalty=-1.2))], "repetition_penalty = -1.2 must be"),
+        "penalty_inf": ([(PROMPTS[0], SP(repetition_penalty=1e39))], "repetition_penalty = 1e+39 must be"),
+        "penalty_nan": ([(PROMPTS[0], SP(repetition_penalty=float("nan")))], "repetition_penalty = nan must be"),
+        "penalty_denormal": ([(PROMPTS[0], SP(repetition_penalty=1e-45))], "repetition_penalty = 1e-45 must be"),
     }
     requests = [good] + [(name, "ghost" if name == "unknown_model" else "", rows, False, 0) for name, (rows, _) in bad.items()]
     out = backend.sample(sample_batch(requests))
@@ -185,3 +196,71 @@ def test_bad_parameters_fail_alone_and_chunking(tiny_dirs):
         assert isinstance(out[name], types.ErrorResponse) and message in out[name].error, (name, out[name])
     assert len(out["good"].sequences) == 3 and all(len(s.tokens) == 4 for s in out["good"].sequences)
     assert backend.metrics.calls["sample"] == 2  # 3 rows in chunks of sample_max_num_sequences=2
+
+
+def test_repetition_penalty_greedy_matches_transformers_generate(tiny_dirs, peft_backend):
+    """Per-row penalties in one batch (1.0 = off next to > 1 and < 1) = transformers generate(repetition_penalty)."""
+    backend, _ = peft_backend
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dirs["moe"], dtype=torch.float32)
+    cases = [(PROMPTS[i % len(PROMPTS)], r) for i, r in enumerate((1.0, 1.3, 0.8, 2.0, 1.15, 1.0, 1.5))]
+    requests = [(f"r{i}", "", [(p, SP(max_tokens=14, temperature=0.0, stop=[], repetition_penalty=r))], False, 0)
+                for i, (p, r) in enumerate(cases)]
+    out = backend.sample(sample_batch(requests))
+    plain = {tuple(p): out[f"r{i}"].sequences[0].tokens for i, (p, r) in enumerate(cases) if r == 1.0}
+    changed = 0
+    for i, (prompt, r) in enumerate(cases):
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False, repetition_penalty=r,
+                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        got = out[f"r{i}"].sequences[0].tokens
+        assert got == want, (i, r)
+        changed += tuple(prompt) in plain and got != plain[tuple(prompt)]
+    assert changed >= 1  # the penalty changes some continuation (and 1.0 rows are unaffected by their neighbours)
+
+
+def _allowed(logits_v, seen, temperature, min_p, penalty):
+    """numpy reference: the tokens min-p keeps after the repetition penalty and temperature."""
+    x = logits_v.astype(np.float64)
+    hit = np.zeros(x.shape, bool)
+    hit[list(seen)] = True
+    x = np.where(hit, np.where(x > 0, x / penalty, x * penalty), x) / temperature
+    probs = np.exp(x - x.max())
+    return probs >= min_p * probs.max() * (1 - 1e-4)
+
+
+def test_min_p_and_penalty_sampling_keep_forward_logprobs_and_programs(peft_backend):
+    """Seeded sampling with min-p picks only tokens of the min-p set; log-probs stay those of `forward`; min_p /
+    repetition_penalty values reuse the compiled program."""
+    backend, _ = peft_backend
+    index = backend.models["a"].adapter_index
+
+    def run(settings):  # the buckets of test_greedy_matches_transformers_generate: 8 rows, <= 12 new tokens
+        rows = [(PROMPTS[i % 4], SP(max_tokens=12, temperature=t, seed=10 + i, stop=[], min_p=m, repetition_penalty=r))
+                for i, (t, m, r) in enumerate(settings)]
+        out = backend.sample(sample_batch([(f"m{i}", "a", [row], False, 0) for i, row in enumerate(rows)]))
+        return [(row, out[f"m{i}"].sequences[0]) for i, row in enumerate(rows)]
+
+    run([(1.0, 0.0, 1.0)] * 8)
+    compiles = backend.metrics.compiles["sample"]
+    results = run([(1.0, 0.3, 1.0), (1.5, 0.1, 1.0), (0.8, 0.5, 1.3), (1.0, 0.0, 1.0),
+                   (1.2, 0.2, 0.9), (1.0, 0.05, 1.0), (1.0, 0.0, 2.0), (2.0, 0.4, 1.1)])
+    assert backend.metrics.compiles["sample"] == compiles
+    full = [prompt + seq.tokens for (prompt, _), seq in results]
+    ids = np.zeros((len(full), max(map(len, full))), np.int64)
+    for i, f in enumerate(full):
+        ids[i, : len(f)] = f
+    adapters = np.full(len(full), index)
+    mask = (np.arange(ids.shape[1])[None] < np.array([len(f) for f in full])[:, None]).astype(np.int64)
+    all_logits = np.asarray(backend.model.logits(backend.model(ids, mask, adapters), adapters), np.float32)
+    kept_sizes = []
+    for i, ((prompt, params), seq) in enumerate(results):
+        assert len(seq.tokens) == 12
+        logits = all_logits[i, len(prompt) - 1 : len(prompt) + 11]
+        log_softmax = np.asarray(torch.log_softmax(torch.tensor(logits), -1))
+        np.testing.assert_allclose(seq.logprobs, log_softmax[np.arange(12), seq.tokens], atol=1e-4)
+        for t, token in enumerate(seq.tokens):
+            allowed = _allowed(logits[t], set(prompt) | set(seq.tokens[:t]), params.temperature, params.min_p,
+                               params.repetition_penalty)
+            assert allowed[token], (params, t)
+            if params.min_p >= 0.2:
+                kept_sizes.append(allowed.sum())
+    assert np.mean(kept_sizes) < all_logits.shape[-1] / 4  # min-p did narrow the choice

@@ -61,3 +61,24 @@ class AbstractBackend(ABC):
     @abstractmethod
     def delete_model(self, model_id: str) -> None:
         """Free the adapter slot of `model_id` and everything attached to it."""
+
+    # Requests in flight. These defaults run a submitted batch whole with `sample` at the next step; a
+    # backend with continuous batching (JaxBackend's paged engine) advances them one iteration per step.
+
+    def sample_submit(self, prepared_batch: types.PreparedSampleBatch) -> dict[str, types.ErrorResponse]:
+        """Queue sampling requests; those refused at once, with their errors (the others end in `sample_step`)."""
+        self.__dict__.setdefault("_queued_sample_batches", []).append(prepared_batch)
+        return {}
+
+    def sample_step(self) -> dict[str, types.SampleOutput | types.ErrorResponse]:
+        """Advance queued sampling requests; those that ended (the others stay queued)."""
+        batches, self.__dict__["_queued_sample_batches"] = self.__dict__.get("_queued_sample_batches", []), []
+        out: dict[str, types.SampleOutput | types.ErrorResponse] = {}
+        for batch in batches:
+            out |= self.sample(batch)
+        return out
+
+    @property
+    def sampling_active(self) -> bool:
+        return bool(self.__dict__.get("_queued_sample_batches"))
+

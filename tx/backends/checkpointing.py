@@ -141,16 +141,20 @@ class CheckpointMixin:
     # version); a persisted one is dropped and re-read from its file when sampled again.
 
     def _slot_changed(self, slot: int) -> None:
-        """The weights of `slot` change: KV computed with the old ones must not be reused (prefix cache)."""
+        """The weights of `slot` change: requests sampling from it finish first, and KV computed with the
+        old weights is not reused (prefix cache)."""
+        self._sampler.before_weights_change(slot)
         self._slot_epochs[slot] = self._slot_epochs.get(slot, 0) + 1
 
-    def kv_identity(self, slot: int) -> str | None:
-        """Names the weights rows of `slot` are computed with now (the prefix cache keys KV pages by it), or
-        None when the slot's weights are shared by tenants (the base model, sampler checkpoints): a cache hit
-        there would tell one tenant what another sent, so such rows never reuse other requests' pages."""
-        if slot not in {m.adapter_index for m in self.models.values()}:
-            return None
-        return f"lora:{slot}:{self._slot_epochs.get(slot, 0)}"
+    def kv_identity(self, slot: int, tenant: str = "") -> str | None:
+        """Names the weights rows of `slot` are computed with now, and whose rows may share KV pages (the
+        prefix cache keys pages by it). A live model's adapter is its owner's; the base model and sampler
+        checkpoints are shared by tenants, and a cache hit there would tell one tenant what another sent, so
+        their rows share pages only with requests of the same `tenant`, and with none when it is ""."""
+        weights = f"{slot}:{self._slot_epochs.get(slot, 0)}"
+        if slot in {m.adapter_index for m in self.models.values()}:
+            return f"lora:{weights}" + (f":{tenant}" if tenant else "")
+        return f"shared:{weights}:{tenant}" if tenant else None
 
     def _init_snapshots(self) -> None:
         self._slot_epochs: dict[int, int] = {}

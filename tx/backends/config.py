@@ -45,21 +45,25 @@ class JaxBackendConfig(BaseModel):
     train_micro_batch_size: int = Field(
         0, ge=0, description="at most this many rows per jit call in forward/forward_backward (0 = no row cap)"
     )
-    sample_max_num_sequences: int = Field(0, ge=0, description="sequences per sampling call (0 = no limit)")
+    sample_max_num_sequences: int = Field(0, ge=0, description="static engine: sequences per sampling call (0 = "
+                                          "no limit)")
     sample_engine: Literal["static", "paged"] = Field(
-        "static", description="'static': each call decodes its rows as padded batches with a dense KV cache; "
-        "'paged': paged KV cache, one prefill per prompt shared by its samples, continuous batching "
-        "(tx/sampling/continuous.py)")
+        "paged", description="'paged': paged KV cache, one prefill per prompt shared by its samples, prefix cache, "
+        "continuous batching (requests join and leave between device calls; tx/sampling/continuous.py); "
+        "'static': each call decodes its rows as padded batches with a dense KV cache (kept for comparison)")
     kv_page_size: int = Field(16, ge=1, description="paged engine: tokens per KV page")
     kv_cache_pages: int = Field(0, ge=0, description="paged engine: KV pages in the pool (0 = max_num_seqs / 4 "
-                                "rows of max_seq_len, plus room for one longest prompt and row)")
+                                "rows of max_seq_len plus room for one longest prompt and row, capped at half of "
+                                "the device memory free at first use where the device reports it)")
     max_num_seqs: int = Field(64, ge=1, description="paged engine: decode slots (rows decoding at once)")
     prefill_chunk: int = Field(64, ge=1, description="paged engine: prompt tokens per prefill chunk")
     prefill_rows: int = Field(4, ge=1, description="paged engine: prefill chunks per device call")
     decode_steps_per_call: int = Field(8, ge=1, description="paged engine: decode steps per device call (rows "
                                        "join and leave between calls)")
-    paged_attention_impl: Literal["blocked", "reference"] = Field(
-        "blocked", description="paged engine: attention over pages ('reference' gathers every page: the oracle)")
+    paged_attention_impl: Literal["blocked", "reference", "pallas"] = Field(
+        "blocked", description="paged engine: attention over pages ('blocked': XLA online softmax over KV blocks; "
+        "'reference' gathers every page: the oracle; 'pallas': the ragged paged attention Pallas kernel, for TPU, "
+        "interpreted (slow) elsewhere)")
     prefix_cache: bool = Field(True, description="paged engine: reuse the KV pages of prompt prefixes seen "
                                "before with the same weights (full pages, least recently used evicted first)")
     kv_block: int = Field(64, ge=1, description="paged engine: tokens per attention block (a multiple of "

@@ -167,8 +167,9 @@ class FullBackend(JaxBackend):
             raise KeyError(f"unknown model_id {model_id!r}{live}")
         return FULL_ADAPTER
 
-    def kv_identity(self, slot: int) -> str | None:
-        return f"full:{self._weights_version}"  # the one live model's weights: its owner's alone
+    def kv_identity(self, slot: int, tenant: str = "") -> str | None:
+        # the one live model's weights (its owner's alone), or the base model's before one is created
+        return f"full:{self._weights_version}" + (f":{tenant}" if tenant else "")
 
     def _sample_slot(self, model_id: str) -> int:
         if not model_id:
@@ -200,6 +201,7 @@ class FullBackend(JaxBackend):
     def delete_model(self, model_id: str) -> None:
         """Drop the model's optimizer state and sums and restore the base weights, re-read from the checkpoint."""
         self._slot(model_id)
+        self._sampler.before_weights_change(FULL_ADAPTER)
         self._grad_sum = self._master = self._opt_state = None
         del self.models[model_id], self._accumulated[model_id]
         self.live = None
@@ -258,6 +260,7 @@ class FullBackend(JaxBackend):
 
     def optim_step(self, model_id: str, request_data: types.OptimStepInput) -> types.OptimStepOutput:
         self._slot(model_id)
+        self._sampler.before_weights_change(FULL_ADAPTER)  # requests reading these weights finish first
         fn = self._fn(("full_optim_step",), lambda: make_full_optim_step(self.param_dtype,
                                                                           self._counted("optim_step")))
         hp = {k: jnp.float32(v) for k, v in request_data.adam_params.model_dump().items()}
@@ -315,6 +318,7 @@ class FullBackend(JaxBackend):
 
     def _set_weights(self, master: nnx.State) -> None:
         """New float32 weights: the model's own (fp32), or the masters and their cast into the model (bf16)."""
+        self._sampler.before_weights_change(FULL_ADAPTER)
         if self._master is None:
             nnx.update(self.model, master)
         else:

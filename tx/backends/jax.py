@@ -362,6 +362,20 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
     def sample(self, prepared_batch: types.PreparedSampleBatch):
         return self._sampler.sample(prepared_batch)
 
+    def sample_submit(self, prepared_batch: types.PreparedSampleBatch) -> dict[str, types.ErrorResponse]:
+        """Queue sampling requests that run alongside those already running (`sample_step` advances them);
+        the requests refused, each with its error."""
+        return self._sampler.submit(prepared_batch)
+
+    def sample_step(self) -> dict[str, types.SampleOutput]:
+        """Advance the queued sampling requests by one engine iteration (a prefill chunk call and a few
+        decode steps; the static engine runs them to the end); the requests that finished."""
+        return self._sampler.step()
+
+    @property
+    def sampling_active(self) -> bool:
+        return self._sampler.active
+
 
 def _non_finite_output(rows: list[batching.Row], members: list[int], logprobs: list[np.ndarray],
                        elementwise: list[np.ndarray]) -> str | None:

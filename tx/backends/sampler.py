@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass, field
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -55,6 +56,8 @@ class Sampler:
         self._tokenizer = None
         # the paged engine (its KV pool is allocated at first use); a pool too small fails here, at startup
         self._paged = PagedEngine(self) if backend.config.sample_engine == "paged" else None
+        self._requests: dict[str, _Request] = {}  # submitted, not finished
+        self._finished: dict[str, types.SampleOutput] = {}  # finished, not yet returned by `step`
 
     def decode_text(self, tokens: list[int]) -> str:
         if self._tokenizer is None:
@@ -107,6 +110,8 @@ class Sampler:
             "temperature_b": np.zeros(b, np.float32),
             "top_k_b": np.zeros(b, np.int32),
             "top_p_b": np.ones(b, np.float32),
+            "min_p_b": np.zeros(b, np.float32),
+            "repetition_penalty_b": np.ones(b, np.float32),
             "seed_b": np.zeros(b, np.uint32),
             "stop_bs": np.full((b, s), -1, np.int32),
         }
@@ -118,6 +123,8 @@ class Sampler:
             arrays["temperature_b"][i] = row.temperature
             arrays["top_k_b"][i] = row.top_k
             arrays["top_p_b"][i] = row.top_p
+            arrays["min_p_b"][i] = row.min_p
+            arrays["repetition_penalty_b"][i] = row.repetition_penalty
             arrays["seed_b"][i] = row.seed
             arrays["stop_bs"][i, : len(row.stop_tokens)] = row.stop_tokens
         fn = self._jit(("sample", b, p, max_new, s, topk), generate, ("max_new", "topk"))
@@ -151,11 +158,11 @@ class Sampler:
                                 chunk_size=chunk, top_k=k, alt_k=alt)
         return PromptScores(*(None if x is None else to_host(x) for x in out))
 
-    # ---- the call ----
+    # ---- requests in flight: submit, step, and the one-call form ----
 
-    def sample(self, batch: types.PreparedSampleBatch) -> dict[str, types.SampleOutput | types.ErrorResponse]:
+    def _limits(self) -> SampleLimits:
         backend = self.backend
-        limits = SampleLimits(
+        return SampleLimits(
             vocab=backend.model.config.vocab_size,
             max_seq_len=backend.max_seq_len,
             max_num_samples=backend.config.max_num_samples,
@@ -164,7 +171,21 @@ class Sampler:
             max_topk_prompt_logprobs=backend.config.max_topk_prompt_logprobs,
             max_target_prompt_logprobs=backend.config.max_target_prompt_logprobs,
         )
-        pinned: set[int] = set()  # sampler-checkpoint slots this batch uses: not to be evicted mid-batch
+
+    @property
+    def active(self) -> bool:
+        """Whether submitted requests are unfinished or finished but not yet returned by `step`."""
+        return bool(self._requests) or bool(self._finished)
+
+    def slots_read(self) -> set[int]:
+        """Adapter slots the unfinished requests sample from (kept out of sampler-checkpoint eviction)."""
+        return {row.adapter for req in self._requests.values() for row in req.rows}
+
+    def submit(self, batch: types.PreparedSampleBatch) -> dict[str, types.ErrorResponse]:
+        """Validate and queue a batch's requests; the ones refused (each with its error). The others' results
+        come from `step`. Prompt scores are computed here (one prefill per request that asks for them)."""
+        backend = self.backend
+        pinned: set[int] = self.slots_read()  # slots this batch and unfinished requests use: not to be evicted
 
         def adapter_of(model_id: str, checkpoint_path: str) -> int:
             if checkpoint_path:
@@ -181,38 +202,111 @@ class Sampler:
                 return slot
             return backend._sample_slot(model_id)
 
-        rows, errors = validate(batch, adapter_of, limits)
-        results: dict[str, types.SampleOutput | types.ErrorResponse] = {
-            batch.request_batch_slices[r][0]: types.ErrorResponse(error=msg) for r, msg in errors.items()
-        }
-        sequences: list[types.GeneratedSequence | None] = [None] * len(rows)
-        cached: dict[int, int] = {}  # request -> prompt tokens read from the prefix cache
-        if backend.config.sample_engine == "paged":
-            topk = max((r.options.topk_sample_logprobs for r in rows), default=0)
-            topk = _pow2(topk, 1) if topk else 0
-            for i, res in enumerate(self._paged.run(rows)):
-                sequences[i] = sequence_of(res.as_outputs(topk), 0, rows[i], self.decode_text)
-                cached[rows[i].request_index] = res.cached_prompt_tokens
-        else:
-            for idx in self._chunk_rows(rows):
-                out = self._decode_chunk([rows[i] for i in idx])
-                for j, i in enumerate(idx):
-                    sequences[i] = sequence_of(out, j, rows[i], self.decode_text)
-        by_request: dict[int, list[int]] = {}
-        for i, row in enumerate(rows):
-            by_request.setdefault(row.request_index, []).append(i)
+        rows, errors = validate(batch, adapter_of, self._limits())
+        refused = {batch.request_batch_slices[r][0]: types.ErrorResponse(error=msg) for r, msg in errors.items()}
+        by_request: dict[int, list[SampleRow]] = {}
+        for row in rows:
+            by_request.setdefault(row.request_index, []).append(row)
         slices = batch.request_batch_slices
-        scored = [r for r, members in by_request.items()
-                  if slices[r][4] or slices[r][5] or rows[members[0]].targets is not None
-                  or rows[members[0]].options.prompt_alt_tokens_k]
-        scores, score_row = None, {r: i for i, r in enumerate(scored)}
+        requests = [_Request(slices[r][0], members, slices[r][4], slices[r][5]) for r, members in by_request.items()]
+        scored = [q for q in requests if q.want_logprobs or q.want_topk or q.rows[0].targets is not None
+                  or q.rows[0].options.prompt_alt_tokens_k]
         if scored:  # one prefill per scored request (its first row: every row of a request has its prompt)
-            scores = self._score_prompts([rows[by_request[r][0]] for r in scored], max(slices[r][5] for r in scored))
-        for r, members in by_request.items():
-            request_id, _, _, _, want_logprobs, want_topk = slices[r]
-            output = types.SampleOutput(sequences=[sequences[i] for i in members],
-                                        prompt_cache_hit_tokens=cached.get(r, 0))
-            if r in score_row:
-                output = prompt_output(output, scores, score_row[r], rows[members[0]], want_logprobs, want_topk)
-            results[request_id] = output
+            scores = self._score_prompts([q.rows[0] for q in scored], max(q.want_topk for q in scored))
+            for i, q in enumerate(scored):
+                q.scores = (scores, i)
+        for q in requests:
+            if q.request_id in self._requests:
+                raise ValueError(f"request {q.request_id} is already being sampled")
+            self._requests[q.request_id] = q
+            if self._paged is not None:
+                self._paged.add(q.rows, [(q.request_id, j) for j in range(len(q.rows))])
+        return refused
+
+    def step(self) -> dict[str, types.SampleOutput]:
+        """Advance the unfinished requests (paged engine: one iteration; static: all of them to the end);
+        the requests that finished. A failure fails every unfinished request (the caller reports it)."""
+        try:
+            if self._paged is not None:
+                if self._requests:
+                    self._collect(self._paged.step())
+            elif self._requests:
+                self._run_static([q for q in self._requests.values() if q.left])
+        except BaseException:
+            self._requests.clear()
+            self._finished.clear()
+            if self._paged is not None:
+                self._paged.reset()
+            raise
+        out, self._finished = self._finished, {}
+        return out
+
+    def before_weights_change(self, slot: int) -> None:
+        """Adapter `slot`'s weights are about to change: finish the requests that sample from it first, so
+        none mixes tokens of two versions (their results wait for the next `step`)."""
+        if self._paged is not None:
+            while self._paged.reads(slot):
+                self._collect(self._paged.step())
+        else:
+            pending = [q for q in self._requests.values() if q.left and any(r.adapter == slot for r in q.rows)]
+            if pending:
+                self._run_static(pending)
+
+    def sample(self, batch: types.PreparedSampleBatch) -> dict[str, types.SampleOutput | types.ErrorResponse]:
+        """Every request of `batch` sampled to the end (requests submitted before keep their results for
+        `step`)."""
+        results: dict[str, types.SampleOutput | types.ErrorResponse] = dict(self.submit(batch))
+        mine = {s[0] for s in batch.request_batch_slices} - set(results)
+        others: dict[str, types.SampleOutput] = {}
+        while mine - set(results):
+            for request_id, output in self.step().items():
+                (results if request_id in mine else others)[request_id] = output
+        self._finished.update(others)
         return results
+
+    def _collect(self, finished) -> None:
+        """Store finished rows of the paged engine; a request whose rows all ended gets its output."""
+        for (request_id, j), res in finished:
+            q = self._requests[request_id]
+            row = q.rows[j]
+            q.sequences[j] = sequence_of(res.as_outputs(row.options.topk_sample_logprobs), 0, row, self.decode_text)
+            q.cached = max(q.cached, res.cached_prompt_tokens)
+            q.left -= 1
+            if not q.left:
+                self._finished[request_id] = self._output(self._requests.pop(request_id))
+
+    def _run_static(self, requests: list[_Request]) -> None:
+        rows = [row for q in requests for row in q.rows]
+        owner = [(q, j) for q in requests for j in range(len(q.rows))]
+        for idx in self._chunk_rows(rows):
+            out = self._decode_chunk([rows[i] for i in idx])
+            for j, i in enumerate(idx):
+                q, k = owner[i]
+                q.sequences[k] = sequence_of(out, j, rows[i], self.decode_text)
+                q.left -= 1
+        for q in requests:
+            self._finished[q.request_id] = self._output(self._requests.pop(q.request_id))
+
+    def _output(self, q: _Request) -> types.SampleOutput:
+        output = types.SampleOutput(sequences=q.sequences, prompt_cache_hit_tokens=q.cached)
+        if q.scores is not None:
+            output = prompt_output(output, q.scores[0], q.scores[1], q.rows[0], q.want_logprobs, q.want_topk)
+        return output
+
+
+@dataclass
+class _Request:
+    """A submitted request until its every row has ended."""
+
+    request_id: str
+    rows: list[SampleRow]
+    want_logprobs: bool
+    want_topk: int
+    scores: tuple[PromptScores, int] | None = None  # its prompt scores: (the scoring call's outputs, its row)
+    sequences: list[types.GeneratedSequence | None] = field(default_factory=list)
+    cached: int = 0  # prompt tokens read from the prefix cache
+    left: int = 0
+
+    def __post_init__(self):
+        self.sequences = [None] * len(self.rows)
+        self.left = len(self.rows)

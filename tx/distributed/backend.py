@@ -16,7 +16,8 @@ from tx.distributed import checks
 from tx.distributed.control import Coordinator
 from tx.distributed.rpc import encode_kwargs
 
-BROADCAST = ("create_model", "delete_model", "forward", "forward_backward", "optim_step", "sample",
+BROADCAST = ("create_model", "delete_model", "forward", "forward_backward", "optim_step", "sample", "sample_submit",
+             "sample_step",
              "save_checkpoint", "load_checkpoint", "save_sampler_checkpoint", "evict_sampler_checkpoint", "debug_fail",
              "save_external_weights")
 
@@ -75,6 +76,12 @@ class DistributedBackend(AbstractBackend):
     def sample(self, prepared_batch: types.PreparedSampleBatch):
         return self._call("sample", prepared_batch=prepared_batch)
 
+    def sample_submit(self, prepared_batch: types.PreparedSampleBatch) -> dict[str, types.ErrorResponse]:
+        return self._call("sample_submit", prepared_batch=prepared_batch)
+
+    def sample_step(self) -> dict[str, types.SampleOutput]:
+        return self._call("sample_step")
+
     def save_checkpoint(self, output_path, model_id: str) -> None:
         return self._call("save_checkpoint", output_path=output_path, model_id=model_id)
 
@@ -107,6 +114,10 @@ class DistributedBackend(AbstractBackend):
     @property
     def models(self) -> dict[str, types.ModelMetadata]:
         return self.impl.models
+
+    @property
+    def sampling_active(self) -> bool:
+        return self.impl.sampling_active
 
     @property
     def metrics(self) -> types.EngineMetrics:

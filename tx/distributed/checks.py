@@ -74,6 +74,7 @@ def _sample_view(backend, kwargs: dict) -> dict:
 VIEWS: dict[str, Callable[[Any, dict], dict]] = {
     "load_checkpoint": _load_checkpoint_view,
     "sample": _sample_view,
+    "sample_submit": _sample_view,
 }
 
 

@@ -19,6 +19,9 @@ class EngineConfig(BaseModel):
     max_request_tokens: int = Field(1 << 18, ge=1, description="tokens of one forward/forward_backward request; "
                                     "a request with more is refused (413)")
     max_samples: int = Field(1024, ge=1, description="sequences per sampling backend call")
+    sampling_share: float = Field(0.5, gt=0, le=1, description="while training requests wait, sampling runs "
+                                  "between training rounds for share/(1-share) times the last round's training "
+                                  "time (at least one engine iteration); 1 = sampling runs until nothing samples")
     max_queued_samples: int = Field(16384, ge=1, description="queued sequences beyond which asample answers 429 "
                                     "(the SDK backs off and retries)")
 

@@ -30,6 +30,7 @@ from tx.engine.results import (  # noqa: F401
     finite_metrics,
     json_payload,
 )
+from tx.engine.sampling import SamplingMixin
 from tx.engine.scheduler import Round, Scheduler
 from tx.engine.store import Store
 
@@ -38,7 +39,7 @@ ACTIVE_S = 2.0  # a model that sent a request this recently is an active tenant,
 REWRITE_S = 1.0  # while the store refuses results, try to write them again this often
 
 
-class Engine:
+class Engine(SamplingMixin):
     def __init__(self, backend, store: Store, config: EngineConfig, base_model: str,
                  encode_pass: Callable[[types.ForwardBackwardOutput], Encoded],
                  encode_sample: Callable[[types.SampleOutput], Encoded],
@@ -65,6 +66,8 @@ class Engine:
         self._ending: set[str] = set()  # sessions finished by the client, to unload at the next round
         self._next_housekeeping = 0.0
         self._deleted: list[str] = []  # deleted checkpoint locations the backend must stop serving
+        self._in_flight: dict[str, tuple[str, Op]] = {}  # sampling requests a backend runs: id -> (base, op)
+        self._in_flight_sequences = 0  # their sequences (read by API threads for back-pressure)
         self._thread = threading.Thread(target=self._loop, name="tx-engine", daemon=True)
         # Models the previous server held are no longer in the backend; what it never ran cannot run.
         for model_id in store.models_in_status("creating", "ready"):
@@ -128,7 +131,8 @@ class Engine:
             except UserError as e:
                 late = e
             else:
-                self.scheduler.add(Op(request_id, kind, payload, model_id, seq_id, session_id, size, tokens))
+                self.scheduler.add(Op(request_id, kind, payload, model_id, seq_id, session_id, size, tokens,
+                                      owner))
                 if model_id is not None:
                     self._last_submit[model_id] = time.time()
                 self.count(f"submitted_{kind}")
@@ -148,7 +152,7 @@ class Engine:
 
     def queued_samples(self) -> int:
         with self.cond:
-            return sum(op.size for op in self.scheduler.samples)
+            return sum(op.size for op in self.scheduler.samples) + self._in_flight_sequences
 
     def watch(self, request_id: str, callback: Callable[[], None]) -> None:
         """Call `callback` once the future is written (it may be called from the engine thread)."""
@@ -168,7 +172,8 @@ class Engine:
         try:
             while True:
                 with self.cond:
-                    while not self._stop and not self._ending and not self.scheduler.pending(time.time()):
+                    while (not self._stop and not self._ending and not self._in_flight
+                           and not self.scheduler.pending(time.time())):
                         wake = min(self._next_housekeeping, self.scheduler.next_deadline() or math.inf)
                         if self.results.kept:
                             wake = min(wake, time.time() + REWRITE_S)
@@ -176,7 +181,7 @@ class Engine:
                             break  # housekeeping or a seq_id gap is due
                     if self._stop:
                         return
-                    window = self._batch_window(time.time())
+                    window = 0.0 if self._in_flight else self._batch_window(time.time())
                 if window:
                     time.sleep(window)  # let other tenants' passes join this round
                 with self.cond:
@@ -185,8 +190,9 @@ class Engine:
                     if self.results.kept:
                         self.results.flush()
                     self._evict_deleted()
-                    if not round_.empty():
-                        self._execute(round_)
+                    trained = self._execute(round_) if not round_.empty() else 0.0
+                    if self._in_flight:
+                        self._run_sampling(trained)
                     self._housekeeping()
                 except self.fatal:
                     raise
@@ -197,6 +203,7 @@ class Engine:
             logger.error("engine stopping: %s", e)
             with self.cond:
                 self.error = e
+            self._fail_in_flight(f"the engine stopped: {e}")
             if self.on_fatal is not None:
                 self.on_fatal()
 
@@ -231,14 +238,18 @@ class Engine:
             groups.setdefault(base_of(op) or self.base_model, []).append(op)
         return list(groups.values())
 
-    def _execute(self, round_: Round) -> None:
+    def _execute(self, round_: Round) -> float:
+        """Run a round's training ops, then submit its sampling requests; seconds the training ops took."""
+        started = time.perf_counter()
         for kind, ops in round_.passes.items():
             for group in self._by_base(ops, lambda op: self._base_of.get(op.model_id)) if ops else []:
                 self._run_passes(kind, group)
         for op in round_.singles:
             self._run_single(op)
+        trained = time.perf_counter() - started
         for group in self._by_base(round_.samples, lambda op: op.payload.base_model) if round_.samples else []:
-            self._run_samples(group)
+            self._submit_samples(group)
+        return trained
 
     def _run_passes(self, kind: str, ops: list[Op]) -> None:
         """One backend call for the passes of every model in the round."""
@@ -406,32 +417,6 @@ class Engine:
             backend.delete_model(op.model_id)
         self._base_of.pop(op.model_id, None)
         return {"model_id": op.model_id, "type": "unload_model"}, [{"status": "unloaded"}]
-
-    # ---- sampling ----
-
-    def _run_samples(self, ops: list[Op]) -> None:
-        prompts, params, model_ids, locations, slices, options = [], [], [], [], [], []
-        for op in ops:
-            r = op.payload
-            start = len(prompts)
-            for _ in range(r.num_samples):
-                prompts.append(r.prompt)
-                params.append(r.params)
-                model_ids.append("")
-                locations.append(r.location)
-            slices.append((op.request_id, "", start, len(prompts), r.prompt_logprobs, r.topk_prompt_logprobs))
-            options.append(r.options)
-        self.count("sample_calls")
-        if len({op.payload.location for op in ops}) > 1:
-            self.count("multi_adapter_sample_calls")
-        base = ops[0].payload.base_model or self.base_model
-        results = self._batch_call("sample", ops, lambda: self._served(base).sample(types.PreparedSampleBatch(
-            all_prompts=prompts, all_sampling_params=params, all_model_ids=model_ids, all_checkpoint_ids=locations,
-            all_checkpoint_paths=locations, request_batch_slices=slices, request_options=options)),
-                                   lambda op, out: self.encode_sample(out),
-                                   sequences=len(prompts))
-        if results is not None:
-            self._finish(results)
 
     # ---- housekeeping: expired sessions and checkpoints ----
 

@@ -89,3 +89,4 @@ class Op:
     session_id: str | None = None
     size: int = 1  # datums (passes) or sequences (samples): what round limits count
     tokens: int = 0  # input tokens of a pass: counted against the round's max_pass_tokens
+    owner: str | None = None  # the tenant that sent it

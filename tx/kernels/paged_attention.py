@@ -17,6 +17,9 @@ K/V is written before it attends). Kernels (`PAGED_ATTENTION_IMPLS`):
   bit-identical (its probabilities are exactly 0 and the correction exactly 1). So a row's output is the
   same sequence of operations whatever the table width or the other rows' lengths: a sequence samples the
   same tokens alone or in any batch.
+- "pallas": the same online softmax as a Pallas ragged paged attention kernel (tx/kernels/paged_pallas.py):
+  grid (row, kv head group, KV block) over scalar-prefetched page tables, so each step copies one block of
+  one row's pages, and a row stops at its own last block. For TPU; interpret mode elsewhere (CPU tests).
 Reads gather `pool[layer, pages]` in one indexing step: never slice `pool[layer]` first (a copy of the
 layer).
 """
@@ -30,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from tx.kernels.attention import _MASKED, attention
+from tx.kernels.paged_pallas import pallas_paged_attention
 
 TRASH_PAGE = 0
 
@@ -113,6 +117,7 @@ PagedAttentionFn = Callable[..., jax.Array]
 PAGED_ATTENTION_IMPLS: dict[str, PagedAttentionFn] = {
     "reference": reference_paged_attention,
     "blocked": blocked_paged_attention,
+    "pallas": pallas_paged_attention,
 }
 
 

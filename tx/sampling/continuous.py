@@ -1,7 +1,8 @@
-"""The paged sampling engine's host side: page tables, prompt sharing, continuous batching.
+"""The paged sampling engine's host side: page tables, prompt sharing, continuous batching, preemption.
 
-`PagedEngine.run(rows)` samples validated rows (`tx.sampling.requests.SampleRow`) and returns one
-`RowResult` per row. How:
+`PagedEngine` keeps sampling rows (`tx.sampling.requests.SampleRow`) across calls: `add` queues a call's
+rows, each `step` runs one iteration and returns the rows that finished in it, so rows join and leave
+between device calls. `run(rows)` is add + step until they are done. How:
 - **Prompt sharing.** The rows of one request share its prompt. The prompt is prefilled once, up to but
   not including its last token, into pages the request's rows all read; each row copies the partial last
   page (copy-on-write), feeds the prompt's last token itself and decodes into its own pages. KV memory held
@@ -11,14 +12,19 @@
   prompt never stalls the decoding rows for more than one chunk) and one decode call of up to
   `decode_steps_per_call` steps over the live rows. A row leaves its slot the call it stops, its pages are
   freed, and the next waiting row takes the slot.
-- **Pages.** A row is admitted with every page it can need (prompt remainder + `max_tokens`), so a running
-  row never runs out of pages; rows wait, never fail, when the pool is full. Requests are admitted in order:
-  a new prompt is prefilled only once every earlier request's rows hold a slot, which guarantees progress
-  (the pool holds at least one longest row beside one longest prompt).
+- **Pages on demand, preemption by recompute.** A row holds pages for the tokens it has written plus the
+  next call's. Before a decode call every live row, oldest first, gets the pages that call can write;
+  when the pool runs out the youngest rows are preempted: their pages are released (published to the
+  prefix cache under a key only they use, so a resumed row usually finds them still there) and the row
+  goes back to the front of the queue with prompt + its tokens so far as its new prompt. A resumed row
+  samples exactly the tokens it would have (its keys depend only on its seed and token count). The pool
+  always holds one longest prompt beside one longest row, so the oldest row always progresses.
+- **Admission.** Requests are admitted in order: a new prompt is prefilled only once every earlier
+  request's rows hold a slot, and only while the free pages cover it and the live rows' next call.
 - **Determinism.** Decisions depend only on the rows and the configuration (no clocks, no `hash()`), so
   every host of a multi-host run makes the same ones. A row's tokens depend only on its seed and its own
-  position in the generated sequence: alone, in a full batch, or joining later, it samples the same tokens
-  (up to float32 summation differences between batch shapes, as the static engine).
+  position in the generated sequence: alone, in a full batch, joining later or resumed after preemption,
+  it samples the same tokens (up to float32 summation differences between batch shapes).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import numpy as np
 
 from tx.sampling.decode import DecodeOutputs
 from tx.sampling.kv_pages import PageTable
-from tx.sampling.paged_step import PrefillInputs, SlotInputs, copy_pages, decode_steps, prefill_chunk
+from tx.sampling.paged_step import PrefillInputs, SlotInputs, decode_steps, prefill_chunk
 from tx.sampling.requests import SampleRow
 
 if TYPE_CHECKING:
@@ -50,7 +56,6 @@ class RowResult:
     top_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
 
-
     def as_outputs(self, topk: int) -> DecodeOutputs:
         """This row as row 0 of a static decode's outputs (for `outputs.sequence_of`)."""
         n = len(self.tokens)
@@ -63,19 +68,30 @@ class RowResult:
                              np.asarray([self.stopped]), *top)
 
 
-@dataclass
-class _Group:
-    """One request's rows and its shared prompt pages (positions 0 .. n-2)."""
+@dataclass(eq=False)  # compared by identity
+class _Row:
+    """One sampled sequence from `add` to its end."""
 
-    rows: list[int]
+    spec: SampleRow
+    tag: Any  # the caller's name for it, returned with its result
+    serial: int  # order of arrival (preemption takes the youngest)
+    result: RowResult = field(default_factory=lambda: RowResult([], [], False))
+
+
+@dataclass(eq=False)  # compared by identity
+class _Group:
+    """Rows that read one prompt's pages (positions 0 .. n-2): a request's rows, or a resumed row whose
+    prompt is its request's prompt + the tokens it had sampled."""
+
+    rows: list[_Row]  # not yet given a slot
     prompt: np.ndarray
     adapter: int
     identity: str | None = None  # the weights its KV is computed with (prefix-cache key); None: not shared
     pages: list[int] = field(default_factory=list)
     prefilled: int = 0
-    cached: int = 0  # prompt tokens read from the prefix cache
-    admitted: int = 0  # rows given a slot so far
-    live: int = 0  # rows admitted and not finished
+    cached: int | None = None  # prompt tokens read from the prefix cache when first admitted
+    live: int = 0  # rows holding a slot
+    resumed: bool = False
 
     @property
     def prefix(self) -> int:
@@ -86,16 +102,16 @@ class _Group:
         return self.prefilled >= self.prefix
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity
 class _Live:
-    row: int
+    row: _Row
     group: _Group
     table: list[int]
     own: list[int]  # pages only this row holds
-    pos: int
-    token: int
-    gen: int = 0
-    result: RowResult = field(default_factory=lambda: RowResult([], [], False))
+    pos: int  # position of the next input token
+    token: int  # the next input token
+    last: int  # the last position this row may write (prompt + max_tokens - 2)
+    copy: tuple[int, int] | None = None  # (src, dst) page copy its first decode call makes
 
 
 class PagedEngine:
@@ -105,21 +121,269 @@ class PagedEngine:
         cfg = self.backend.config
         self.page = cfg.kv_page_size
         self.width = -(-self.backend.max_seq_len // self.page) + 1
-        self.num_pages = cfg.kv_cache_pages or (cfg.max_num_seqs * self.width // 4 + 2 * self.width + 1)
+        self.num_pages = cfg.kv_cache_pages or self._auto_pages(cfg.max_num_seqs)
         if self.num_pages < 2 * self.width + 1:
             raise ValueError(f"kv_cache_pages={self.num_pages} is below {2 * self.width + 1}: the pool must hold one "
                              f"longest prompt and one longest row (max_seq_len={self.backend.max_seq_len}, "
                              f"kv_page_size={self.page})")
         self.slots = cfg.max_num_seqs
+        self.fsdp = self.backend.mesh.shape["fsdp"]
         self.chunk, self.chunk_rows = cfg.prefill_chunk, cfg.prefill_rows
         self.steps = cfg.decode_steps_per_call
         self.impl, self.kv_block = cfg.paged_attention_impl, cfg.kv_block
-        self.pools: list | None = None
-        self.pages = PageTable(self.num_pages, self.page)  # kept across calls: the prefix cache lives in it
         self.prefix_cache = cfg.prefix_cache
+        self.topk_width = _pow2(cfg.max_topk_prompt_logprobs)  # topk_sample_logprobs are bounded by it
+        self.pools: list | None = None
         self.stats = self.backend.metrics.sampling  # reported by /api/v1/metrics
         self.stats.update({"prefill_tokens": 0, "prefill_tokens_cached": 0, "decode_tokens": 0, "peak_pages": 0,
-                           "calls": 0, "kv_cache_pages": self.num_pages})
+                           "calls": 0, "preempted": 0, "kv_cache_pages": self.num_pages})
+        self._serial = 0
+        self.reset()
+
+    def _auto_pages(self, slots: int) -> int:
+        """A quarter of the slots at full length plus one longest prompt and row, within half the free memory."""
+        import jax
+
+        want = slots * self.width // 4 + 2 * self.width + 1
+        cfg = self.backend.model.config
+        itemsize = self.backend.model.embed_tokens.embedding[...].dtype.itemsize
+        page_bytes = 2 * cfg.num_hidden_layers * self.page * cfg.num_key_value_heads * cfg.head_dim * itemsize
+        stats = jax.local_devices()[0].memory_stats() or {}
+        if stats.get("bytes_limit"):
+            fit = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) // 2 // page_bytes
+            want = max(2 * self.width + 1, min(want, int(fit)))
+        return want
+
+    def reset(self) -> None:
+        """Forget every row and page (after a failed call the pages and donated pools are in an unknown state)."""
+        self.pages = PageTable(self.num_pages, self.page)  # kept across calls: the prefix cache lives in it
+        self.pools = None
+        self.waiting: list[_Group] = []  # not admitted, in order (resumed rows first)
+        self.prefilling: list[_Group] = []  # admitted, prompt not fully written
+        self.ready: list[_Group] = []  # prompt written, rows waiting for a slot
+        self.live: list[_Live] = []  # in admission order
+        self._done: list[tuple[Any, RowResult]] = []
+
+    # ---- the caller's view ----
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.prefilling or self.ready or self.live or self._done)
+
+    def reads(self, slot: int) -> bool:
+        """Whether an unfinished row samples from adapter `slot`."""
+        return any(g.adapter == slot for g in self.waiting + self.prefilling + self.ready) or \
+            any(lv.group.adapter == slot for lv in self.live)
+
+    def slots_read(self) -> set[int]:
+        return {g.adapter for g in self.waiting + self.prefilling + self.ready} | {lv.group.adapter for lv in self.live}
+
+    def add(self, rows: list[SampleRow], tags: list[Any]) -> None:
+        """Queue rows (those of one `request_index` share a prompt); their results come from `step`."""
+        groups: dict[int, _Group] = {}
+        for row, tag in zip(rows, tags):
+            item = _Row(row, tag, self._serial)
+            self._serial += 1
+            if row.max_tokens <= 0:
+                self._done.append((tag, item.result))
+                continue
+            g = groups.get(row.request_index)
+            if g is None:
+                g = groups[row.request_index] = _Group([], row.prompt, row.adapter,
+                                                       self.backend.kv_identity(row.adapter, row.tenant))
+                self.waiting.append(g)
+            g.rows.append(item)
+
+    def run(self, rows: list[SampleRow]) -> list[RowResult]:
+        """Sample `rows` to the end (with whatever else is queued); their results in order."""
+        mine = object()
+        self.add(rows, [(mine, i) for i in range(len(rows))])
+        results: list[RowResult | None] = [None] * len(rows)
+        left = len(rows)
+        while left:
+            for tag, res in self.step():
+                if isinstance(tag, tuple) and tag[0] is mine:
+                    results[tag[1]] = res
+                    left -= 1
+                else:  # another caller's row: kept for its next `step`
+                    self._done.append((tag, res))
+            if left and self.idle:
+                raise RuntimeError("paged engine went idle with rows unfinished")
+        return results  # type: ignore[return-value]
+
+    def step(self) -> list[tuple[Any, RowResult]]:
+        """One iteration (admissions, at most one prefill call and one decode call); the rows that ended."""
+        try:
+            self._iterate()
+        except BaseException:
+            self.reset()
+            raise
+        done, self._done = self._done, []
+        return done
+
+    # ---- one iteration ----
+
+    def _iterate(self) -> None:
+        self._admit_group()
+        self._admit_rows()
+        self.stats["peak_pages"] = max(self.stats["peak_pages"], self.pages.in_use)
+        if self.prefilling:
+            self._prefill(self.prefilling)
+            for g in [g for g in self.prefilling if g.ready]:
+                self.prefilling.remove(g)
+                self.ready.append(g)
+                self._publish(g.identity, g.prompt[: g.prefix], g.pages)
+        if self.live:
+            self._grow()
+            self.stats["peak_pages"] = max(self.stats["peak_pages"], self.pages.in_use)
+        if self.live:
+            live = list(self.live)
+            for lv, done in zip(live, self._decode(live)):
+                if done:
+                    self._finish(lv)
+
+    def _admit_group(self) -> None:
+        """Admit the next request once every earlier one's rows hold a slot and the pool has room for it."""
+        if not self.waiting or self.prefilling or self.ready:
+            return
+        g, pages = self.waiting[0], self.pages
+        total = -(-g.prefix // self.page)
+        hits = pages.lookup(g.identity, g.prompt[: g.prefix]) if self._caching(g.identity) else []
+        need = total - len(hits) + self._window(g.prefix, self._last(g, g.rows[0]), g.prefix)
+        if pages.available < need + self._growth():
+            pages.release(hits)
+            return
+        g.pages = hits + pages.allocate(total - len(hits))
+        g.prefilled = len(hits) * self.page
+        if g.cached is None:  # its first admission (a re-admission reads what it wrote itself)
+            g.cached = 0 if g.resumed else g.prefilled
+        self.stats["prefill_tokens_cached"] += g.prefilled
+        (self.prefilling if not g.ready else self.ready).append(self.waiting.pop(0))
+        if g.ready:
+            self._publish(g.identity, g.prompt[: g.prefix], g.pages)
+
+    def _admit_rows(self) -> None:
+        """Give waiting rows of prefilled prompts free slots."""
+        while self.ready and len(self.live) < self.slots:
+            g = self.ready[0]
+            row = g.rows[0]
+            last = self._last(g, row)
+            own = self.pages.allocate(self._window(g.prefix, last, g.prefix))
+            if own is None:
+                break
+            first = g.prefix // self.page
+            # the shared partial page: this row writes its own copy (done by its first decode call)
+            copy = (g.pages[first], own[0]) if g.prefix % self.page else None
+            if not g.resumed:
+                row.result.cached_prompt_tokens = g.cached
+            self.live.append(_Live(row, g, g.pages[:first] + own, own, g.prefix, int(g.prompt[-1]), last, copy))
+            g.rows.pop(0)
+            g.live += 1
+            if not g.rows:
+                self.ready.pop(0)
+
+    def _last(self, g: _Group, row: _Row) -> int:
+        """The last position `row` writes: that of the input of its last token."""
+        return g.prefix + row.spec.max_tokens - len(row.result.tokens) - 1
+
+    def _window(self, pos: int, last: int, start: int) -> int:
+        """Pages covering positions `start` .. min(pos + steps - 1, last) (the next call's writes)."""
+        return min(pos + self.steps - 1, last) // self.page - start // self.page + 1
+
+    def _growth(self) -> int:
+        """Pages the live rows need for their next call beyond what they hold."""
+        return sum(max(0, self._needed(lv)) for lv in self.live)
+
+    def _needed(self, lv: _Live) -> int:
+        return min(lv.pos + self.steps - 1, lv.last) // self.page + 1 - len(lv.table)
+
+    def _grow(self) -> None:
+        """Pages for every live row's next call, oldest row first; preempt the youngest when they run out."""
+        i = 0
+        while i < len(self.live):
+            lv = self.live[i]
+            n = self._needed(lv)
+            new = self.pages.allocate(n) if n > 0 else []
+            while new is None:
+                if not self._free_room(n, keep=lv):
+                    break
+                new = self.pages.allocate(n)
+            if new is None:  # this row is the youngest left: it waits
+                self._preempt(lv)
+                continue
+            lv.own += new
+            lv.table += new
+            i += 1
+
+    def _free_room(self, n: int, keep: _Live) -> bool:
+        """Release pages until `n` are available: groups waiting for slots first, then the youngest live
+        rows. False when only `keep` is left to take them from."""
+        for g in reversed(self.ready):
+            if self.pages.available >= n:
+                return True
+            if g.live == 0 and g.pages:  # no slot reads its prompt yet: prefill it again later
+                self.ready.remove(g)
+                self._unadmit(g)
+        victim = self.live[-1]
+        if self.pages.available >= n:
+            return True
+        if victim is keep:
+            return False
+        self._preempt(victim)
+        return True
+
+    def _unadmit(self, g: _Group) -> None:
+        self._publish(g.identity, g.prompt[: g.prefix], g.pages)
+        self.pages.release(g.pages)
+        g.pages, g.prefilled = [], 0
+        self.waiting.insert(0, g)
+
+    def _preempt(self, lv: _Live) -> None:
+        """Take `lv`'s slot and pages; it resumes later with prompt + its tokens so far as its prompt."""
+        self.stats["preempted"] += 1
+        self.live.remove(lv)
+        identity = self._resume_identity(lv)
+        self._publish(identity, self._written(lv), lv.table)
+        self._leave(lv)
+        prompt = np.concatenate([lv.row.spec.prompt, np.asarray(lv.row.result.tokens, np.int32)]).astype(np.int32)
+        g = _Group([lv.row], prompt, lv.group.adapter, identity, resumed=True)
+        # resumed rows go first, oldest first
+        at = sum(1 for w in self.waiting if w.resumed and w.rows[0].serial < lv.row.serial)
+        self.waiting.insert(at, g)
+
+    def _resume_identity(self, lv: _Live) -> str | None:
+        """The prefix-cache key of a preempted row's pages: its weights' own key where those may be shared
+        across requests, else a key only this row uses (rows on shared weights never read others' pages)."""
+        if not self.prefix_cache:
+            return None
+        return lv.group.identity or f"row:{lv.row.serial}:{lv.group.adapter}"
+
+    def _leave(self, lv: _Live) -> None:
+        self.pages.release(lv.own)
+        g = lv.group
+        g.live -= 1
+        if g.live == 0 and not g.rows and g.pages:
+            self.pages.release(g.pages)
+            g.pages = []
+
+    def _finish(self, lv: _Live) -> None:
+        self.live.remove(lv)
+        self._publish(lv.group.identity, self._written(lv), lv.table)  # its K/V stays reusable
+        self._leave(lv)
+        self._done.append((lv.row.tag, lv.row.result))
+
+    @staticmethod
+    def _written(lv: _Live) -> np.ndarray:
+        """The tokens whose K/V `lv`'s table holds: its request's prompt, then its sampled tokens but the last."""
+        tokens = np.concatenate([lv.row.spec.prompt, np.asarray(lv.row.result.tokens, np.int32)])
+        return tokens[: lv.pos].astype(np.int32)
+
+    def _caching(self, identity: str | None) -> bool:
+        return self.prefix_cache and identity is not None
+
+    def _publish(self, identity: str | None, tokens: np.ndarray, table: list[int]) -> None:
+        if self._caching(identity):
+            self.pages.publish(identity, tokens.tolist(), table)
 
     # ---- device state and programs ----
 
@@ -146,112 +410,8 @@ class PagedEngine:
                                                          donate_argnames=("pools",)))
         return self.backend._run(name, compiled, *args, **static)
 
-    # ---- the loop ----
-
-    def run(self, rows: list[SampleRow]) -> list[RowResult]:
-        try:
-            return self._run(rows)
-        except BaseException:
-            # pages held by the failed call's rows and (donated) pools are in an unknown state: start over
-            self.pages, self.pools = PageTable(self.num_pages, self.page), None
-            raise
-
-    def _run(self, rows: list[SampleRow]) -> list[RowResult]:
-        results: list[RowResult | None] = [None] * len(rows)
-        groups: dict[int, _Group] = {}
-        for i, row in enumerate(rows):
-            if row.max_tokens <= 0:
-                results[i] = RowResult([], [], False)
-                continue
-            g = groups.setdefault(row.request_index,
-                                  _Group([], row.prompt, row.adapter, self.backend.kv_identity(row.adapter)))
-            g.rows.append(i)
-        waiting = list(groups.values())
-        prefilling: list[_Group] = []  # admitted, prompt not fully written
-        ready: list[_Group] = []  # prompt written, rows waiting for a slot
-        live: list[_Live] = []
-        pages = self.pages
-        topk = max((r.options.topk_sample_logprobs for r in rows), default=0)
-        topk = _pow2(topk) if topk else 0
-        stop_width = max(4, _pow2(max((len(r.stop_tokens) for r in rows), default=1)))
-        while waiting or prefilling or ready or live:
-            # admit the next request once every earlier one's rows hold a slot
-            if waiting and not prefilling and not ready:
-                g = waiting[0]
-                total = -(-g.prefix // self.page)
-                hits = pages.lookup(g.identity, g.prompt[: g.prefix]) if self._caching(g.identity) else []
-                need = total - len(hits)
-                if pages.available >= need + self._row_pages(g, rows[g.rows[0]]):
-                    g.pages = hits + (pages.allocate(need) if need else [])
-                    g.prefilled = g.cached = len(hits) * self.page
-                    self.stats["prefill_tokens_cached"] += g.prefilled
-                    (prefilling if not g.ready else ready).append(waiting.pop(0))
-                    if g.ready:
-                        self._publish(g.identity, g.prompt[: g.prefix], g.pages)
-                else:
-                    pages.release(hits)
-            copies: list[tuple[int, int]] = []
-            while ready and len(live) < self.slots:
-                g = ready[0]
-                row = rows[g.rows[g.admitted]]
-                own = pages.allocate(self._row_pages(g, row))
-                if own is None:
-                    break
-                first = g.prefix // self.page
-                if g.prefix % self.page:  # the shared partial page: this row writes its own copy
-                    copies.append((g.pages[first], own[0]))
-                live.append(_Live(g.rows[g.admitted], g, g.pages[:first] + own, own, g.prefix, int(g.prompt[-1])))
-                g.admitted += 1
-                g.live += 1
-                if g.admitted == len(g.rows):
-                    ready.pop(0)
-            self.stats["peak_pages"] = max(self.stats["peak_pages"], pages.in_use)
-            if copies:
-                self._copy(copies)
-            if prefilling:
-                self._prefill(prefilling)
-                for g in [g for g in prefilling if g.ready]:
-                    prefilling.remove(g)
-                    ready.append(g)
-                    self._publish(g.identity, g.prompt[: g.prefix], g.pages)
-            if live:
-                for lv, done in zip(live, self._decode(live, rows, topk, stop_width)):
-                    if done:
-                        results[lv.row] = lv.result
-                        lv.result.cached_prompt_tokens = lv.group.cached
-                        # its written tokens (prompt, then every sampled token but the last) stay reusable
-                        written = np.concatenate([lv.group.prompt, np.asarray(lv.result.tokens[:-1], np.int32)])
-                        self._publish(lv.group.identity, written, lv.table)
-                        pages.release(lv.own)
-                        lv.group.live -= 1
-                        if lv.group.live == 0 and lv.group.admitted == len(lv.group.rows) and lv.group.pages:
-                            pages.release(lv.group.pages)
-                live = [lv for lv in live if results[lv.row] is None]
-        return results  # type: ignore[return-value]
-
-    def _caching(self, identity: str | None) -> bool:
-        return self.prefix_cache and identity is not None
-
-    def _publish(self, identity: str | None, tokens: np.ndarray, table: list[int]) -> None:
-        if self._caching(identity):
-            self.pages.publish(identity, tokens.tolist(), table)
-
-    def _row_pages(self, g: _Group, row: SampleRow) -> int:
-        """Pages of a row's own positions, from the prompt's last (partial) page to its last written token."""
-        return (g.prefix + row.max_tokens - 1) // self.page - g.prefix // self.page + 1
-
-    # ---- calls ----
-
-    def _copy(self, pairs: list[tuple[int, int]]) -> None:
-        m = _pow2(len(pairs))
-        src, dst = np.zeros(m, np.int32), np.zeros(m, np.int32)
-        src[: len(pairs)], dst[: len(pairs)] = zip(*pairs)
-        arrays = self.sampler._put({"src": src, "dst": dst})
-        self.pools = self._call("sample_copy_pages", ("sample_copy_pages", m), copy_pages, self._pools(),
-                                arrays["src"], arrays["dst"])
-
     def _prefill(self, groups: list[_Group]) -> None:
-        r, c = self.chunk_rows, self.chunk
+        r, c = -(-self.chunk_rows // self.fsdp) * self.fsdp, self.chunk
         arrays = {"ids_rc": np.zeros((r, c), np.int32), "pos_rc": np.zeros((r, c), np.int32),
                   "valid_rc": np.zeros((r, c), bool), "adapter_r": np.zeros(r, np.int32),
                   "table_rw": np.zeros((r, self.width), np.int32)}
@@ -273,23 +433,41 @@ class PagedEngine:
         self.pools = self._call("sample_prefill", ("sample_prefill", r, c), prefill_chunk, self.backend.model,
                                 self._pools(), inp, impl=self.impl, kv_block=self.kv_block)
 
-    def _decode(self, live: list[_Live], rows: list[SampleRow], topk: int, stop_width: int) -> list[bool]:
-        s = _pow2(len(live))
+    def _decode(self, live: list[_Live]) -> list[bool]:
+        # few shapes, so few programs: slots in powers of 2, one top-k width, stop lists in powers of 2 >= 8
+        s = min(_pow2(len(live)), self.slots)
+        s = -(-s // self.fsdp) * self.fsdp  # rows are split over the fsdp devices
+        topk = self.topk_width if any(lv.row.spec.options.topk_sample_logprobs for lv in live) else 0
+        stop_width = max(8, _pow2(max(len(lv.row.spec.stop_tokens) for lv in live)))
         arrays = {"token_s": np.zeros(s, np.int32), "pos_s": np.zeros(s, np.int32), "gen_s": np.zeros(s, np.int32),
                   "active_s": np.zeros(s, bool), "adapter_s": np.zeros(s, np.int32), "seed_s": np.zeros(s, np.uint32),
                   "temperature_s": np.zeros(s, np.float32), "top_k_s": np.zeros(s, np.int32),
                   "top_p_s": np.ones(s, np.float32), "max_tokens_s": np.zeros(s, np.int32),
-                  "stop_sx": np.full((s, stop_width), -1, np.int32), "table_sw": np.zeros((s, self.width), np.int32)}
+                  "stop_sx": np.full((s, stop_width), -1, np.int32), "table_sw": np.zeros((s, self.width), np.int32),
+                  "copy_src_s": np.zeros(s, np.int32), "copy_dst_s": np.zeros(s, np.int32),
+                  "min_p_s": np.zeros(s, np.float32), "penalty_s": np.ones(s, np.float32)}
+        # the repetition penalty's token sets, sent only when a row uses one (a program of its own)
+        penalized = any(lv.row.spec.repetition_penalty != 1.0 for lv in live)
+        if penalized:
+            arrays["presence_sv"] = np.zeros((s, self.backend.model.config.vocab_size), bool)
         for j, lv in enumerate(live):
-            row = rows[lv.row]
-            arrays["token_s"][j], arrays["pos_s"][j], arrays["gen_s"][j] = lv.token, lv.pos, lv.gen
+            row = lv.row.spec
+            arrays["token_s"][j], arrays["pos_s"][j], arrays["gen_s"][j] = lv.token, lv.pos, len(lv.row.result.tokens)
             arrays["active_s"][j], arrays["adapter_s"][j], arrays["seed_s"][j] = True, row.adapter, row.seed
             arrays["temperature_s"][j], arrays["top_k_s"][j], arrays["top_p_s"][j] = row.temperature, row.top_k, row.top_p
             arrays["max_tokens_s"][j] = row.max_tokens
             arrays["stop_sx"][j, : len(row.stop_tokens)] = row.stop_tokens
             arrays["table_sw"][j, : len(lv.table)] = lv.table
-        inp = SlotInputs(**self.sampler._put(arrays))
-        self.pools, out = self._call("sample_decode", ("sample_decode", s, self.steps, stop_width, topk), decode_steps,
+            arrays["min_p_s"][j], arrays["penalty_s"][j] = row.min_p, row.repetition_penalty
+            if penalized and row.repetition_penalty != 1.0:
+                arrays["presence_sv"][j, row.prompt] = True
+                arrays["presence_sv"][j, lv.row.result.tokens] = True
+            if lv.copy is not None:
+                arrays["copy_src_s"][j], arrays["copy_dst_s"][j] = lv.copy
+                lv.copy = None
+        inp = SlotInputs(**({"presence_sv": None} | self.sampler._put(arrays)))
+        key = ("sample_decode", s, self.steps, stop_width, topk, penalized)
+        self.pools, out = self._call("sample_decode", key, decode_steps,
                                      self.backend.model, self._pools(), inp, steps=self.steps, topk=topk,
                                      impl=self.impl, kv_block=self.kv_block)
         from tx.models.sharding import to_host
@@ -300,14 +478,13 @@ class PagedEngine:
         finished = []
         for j, lv in enumerate(live):
             n = int(new_s[j])
-            res = lv.result
+            res = lv.row.result
             res.tokens += tokens_sk[j, :n].tolist()
             res.logprobs += logprobs_sk[j, :n].tolist()
             if topk:
-                res.top_ids += top_ids[j, :n].tolist()
-                res.top_logprobs += top_lps[j, :n].tolist()
+                res.top_ids += top_ids[j, :n, : lv.row.spec.options.topk_sample_logprobs].tolist()
+                res.top_logprobs += top_lps[j, :n, : lv.row.spec.options.topk_sample_logprobs].tolist()
             self.stats["decode_tokens"] += n
-            lv.gen += n
             lv.pos += n
             if n:
                 lv.token = res.tokens[-1]

@@ -1,8 +1,18 @@
-"""Per-row next-token selection: temperature, top-k, top-p (nucleus), seeded, all as traced values.
+"""Per-row next-token selection: repetition penalty, temperature, top-k, top-p (nucleus), min-p, seeded, all as
+traced values.
 
 Every parameter is a per-row array, so a batch mixes parameters freely and changing their values never
 recompiles. Randomness comes from `key(seed_b)` folded with the step number only, so a row's tokens do not
 depend on the rest of the batch or on padding.
+
+Order (as transformers' generate): repetition penalty on the raw logits -> temperature -> top-k -> top-p ->
+min-p; greedy rows (temperature 0) take the argmax of the penalized logits. Min-p compares each token with
+the most likely one, which top-k / top-p always keep, so its kept set does not depend on the filters before
+it. Work no row needs (the vocab sort of top-k / top-p, the min-p pass, the penalty pass) is skipped with
+`lax.cond` on the batch's values, not on shapes, so it never recompiles either.
+
+Only the token *choice* sees the penalty and the filters: the log-probs `choose` returns are always the
+`log_softmax` of the raw logits (what `forward` gives).
 """
 
 from __future__ import annotations
@@ -16,11 +26,45 @@ def row_keys(seed_b: jax.Array, step: jax.Array) -> jax.Array:
     return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), step))(seed_b.astype(jnp.uint32))
 
 
-def filter_logits(logits_bv: jax.Array, temperature_b: jax.Array, top_k_b: jax.Array, top_p_b: jax.Array) -> jax.Array:
-    """Temperature-scaled logits with tokens outside the top-k and the top-p nucleus set to -inf.
+def penalize(logits_bv: jax.Array, presence_bv: jax.Array, penalty_b: jax.Array) -> jax.Array:
+    """Repetition penalty (HF / vLLM): a token present in the row (prompt or generated so far) gets logit / r if
+    its logit is > 0, else logit * r. `presence_bv` bool [b, vocab]; r = `penalty_b` [b] (> 0; 1 = off).
+    Returns float32 logits."""
+    x_bv = logits_bv.astype(jnp.float32)
+    r_b1 = penalty_b.astype(jnp.float32)[:, None]
+    penalized_bv = jnp.where(x_bv > 0, x_bv / r_b1, x_bv * r_b1)
+    return jnp.where(presence_bv.astype(bool) & (r_b1 != 1.0), penalized_bv, x_bv)
 
-    top_k <= 0 means no top-k; top_p = 1 keeps everything. The nucleus is the smallest set of the most
-    likely tokens (after top-k) whose probability reaches top_p; the most likely token is always kept."""
+
+def mark_present(presence_bv: jax.Array, ids_bn: jax.Array, valid_bn: jax.Array | None = None) -> jax.Array:
+    """`presence_bv` with `ids_bn` [b, n] (or [b]) marked present in their rows; ids where `valid_bn` is False
+    are left out."""
+    ids_bn = ids_bn if ids_bn.ndim == 2 else ids_bn[:, None]
+    if valid_bn is not None:
+        valid_bn = valid_bn if valid_bn.ndim == 2 else valid_bn[:, None]
+        ids_bn = jnp.where(valid_bn, ids_bn, presence_bv.shape[-1])  # out of range: dropped
+    rows_b1 = jnp.arange(presence_bv.shape[0])[:, None]
+    return presence_bv.at[rows_b1, ids_bn].set(True, mode="drop")
+
+
+def apply_min_p(scaled_bv: jax.Array, min_p_b: jax.Array) -> jax.Array:
+    """Tokens whose probability is below min_p * (the most likely token's probability) set to -inf; min_p <= 0
+    keeps everything and the most likely token is always kept. Probabilities are those of `scaled_bv` (logits
+    after temperature); ratios to the maximum do not change when -inf entries are renormalised away."""
+    max_b1 = jnp.max(scaled_bv, axis=-1, keepdims=True)
+    m_b1 = min_p_b.astype(jnp.float32)[:, None]
+    keep_bv = (m_b1 <= 0) | (scaled_bv == max_b1) | (jnp.exp(scaled_bv - max_b1) >= m_b1)
+    return jnp.where(keep_bv, scaled_bv, -jnp.inf)
+
+
+def filter_logits(logits_bv: jax.Array, temperature_b: jax.Array, top_k_b: jax.Array, top_p_b: jax.Array,
+                  min_p_b: jax.Array | None = None) -> jax.Array:
+    """Temperature-scaled logits with tokens outside the top-k, the top-p nucleus and (given `min_p_b`) the
+    min-p set at -inf.
+
+    top_k <= 0 means no top-k; top_p = 1 keeps everything; min_p = 0 keeps everything. The nucleus is the
+    smallest set of the most likely tokens (after top-k) whose probability reaches top_p; the most likely token
+    is always kept. Min-p comes last (see `apply_min_p`)."""
     vocab = logits_bv.shape[-1]
     scaled_bv = logits_bv.astype(jnp.float32) / jnp.maximum(temperature_b, 1e-6)[:, None]
     sorted_bv = -jnp.sort(-scaled_bv, axis=-1)  # descending
@@ -28,11 +72,13 @@ def filter_logits(logits_bv: jax.Array, temperature_b: jax.Array, top_k_b: jax.A
     in_top_k_bv = jnp.arange(vocab)[None, :] < k_b[:, None]
     probs_bv = jax.nn.softmax(jnp.where(in_top_k_bv, sorted_bv, -jnp.inf), axis=-1)
     before_bv = jnp.cumsum(probs_bv, axis=-1) - probs_bv  # mass strictly above each sorted token
-    keep_bv = in_top_k_bv & (before_bv < top_p_b[:, None])
+    # top_p >= 1 keeps all: the float32 cumsum can round up to 1 before the least likely tokens
+    keep_bv = in_top_k_bv & ((before_bv < top_p_b[:, None]) | (top_p_b[:, None] >= 1.0))
     keep_bv = keep_bv.at[:, 0].set(True)
     kept_b = jnp.sum(keep_bv, axis=-1)
     threshold_b = jnp.take_along_axis(sorted_bv, (kept_b - 1)[:, None], axis=-1)
-    return jnp.where(scaled_bv >= threshold_b, scaled_bv, -jnp.inf)
+    filtered_bv = jnp.where(scaled_bv >= threshold_b, scaled_bv, -jnp.inf)
+    return filtered_bv if min_p_b is None else apply_min_p(filtered_bv, min_p_b)
 
 
 def select_tokens(
@@ -41,8 +87,10 @@ def select_tokens(
     temperature_b: jax.Array,
     top_k_b: jax.Array,
     top_p_b: jax.Array,
+    min_p_b: jax.Array | None = None,
 ) -> jax.Array:
-    """Next token per row: argmax where temperature == 0, else a sample of the filtered distribution."""
+    """Next token per row: argmax where temperature == 0, else a sample of the filtered distribution.
+    `logits_bv` are the logits to choose from (already penalized, if a penalty applies)."""
     greedy_b = jnp.argmax(logits_bv, axis=-1)
     filtering = jnp.any(top_k_b > 0) | jnp.any(top_p_b < 1.0)  # skip the vocab sort when nobody filters
     filtered_bv = jax.lax.cond(
@@ -50,15 +98,29 @@ def select_tokens(
         lambda: filter_logits(logits_bv, temperature_b, top_k_b, top_p_b),
         lambda: logits_bv.astype(jnp.float32) / jnp.maximum(temperature_b, 1e-6)[:, None],
     )
+    if min_p_b is not None:
+        filtered_bv = jax.lax.cond(jnp.any(min_p_b > 0), apply_min_p, lambda x, _: x, filtered_bv, min_p_b)
     sampled_b = jax.vmap(jax.random.categorical)(keys_b, filtered_bv)
     return jnp.where(temperature_b > 0, sampled_b, greedy_b).astype(jnp.int32)
 
 
 def choose(logits_bv: jax.Array, keys_b: jax.Array, temperature_b: jax.Array, top_k_b: jax.Array, top_p_b: jax.Array,
-           topk: int) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array] | None]:
+           topk: int, min_p_b: jax.Array | None = None, penalty_b: jax.Array | None = None,
+           presence_bv: jax.Array | None = None) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array] | None]:
     """(next token [b], its float32 log-prob under the unscaled distribution [b], and with `topk` > 0 the
-    (ids, log-probs) `[b, topk]` of that distribution's most likely tokens): one decode step's choice."""
-    token_b = select_tokens(logits_bv, keys_b, temperature_b, top_k_b, top_p_b)
+    (ids, log-probs) `[b, topk]` of that distribution's most likely tokens): one decode step's choice.
+
+    Optional per-row parameters (None = off for every row, no work): `min_p_b` float32 [b] (0 = off);
+    `penalty_b` float32 [b] repetition penalty (1 = off) with `presence_bv` bool [b, vocab], the tokens of each
+    row's prompt and of its generated tokens so far (`mark_present`). They change which token is chosen, never
+    the log-probs returned (those of the raw logits)."""
+    choose_from_bv = logits_bv
+    if penalty_b is not None:
+        if presence_bv is None:
+            raise ValueError("a repetition penalty needs presence_bv")
+        choose_from_bv = jax.lax.cond(jnp.any(penalty_b != 1.0), penalize,
+                                      lambda x, *_: x.astype(jnp.float32), logits_bv, presence_bv, penalty_b)
+    token_b = select_tokens(choose_from_bv, keys_b, temperature_b, top_k_b, top_p_b, min_p_b)
     logsoftmax_bv = jax.nn.log_softmax(logits_bv.astype(jnp.float32), axis=-1)
     logprob_b = jnp.take_along_axis(logsoftmax_bv, token_b[:, None], axis=-1)[:, 0]
     top = None

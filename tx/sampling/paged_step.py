@@ -4,7 +4,8 @@
   their keys/values into the page pools. Nothing is returned but the pools: a prompt is prefilled up to,
   not including, its last token, which each sampled row feeds itself as its first decode input.
 - `copy_pages`: page `src[m]` -> page `dst[m]` in every layer (copy-on-write of a shared partial page).
-- `decode_steps`: up to `steps` tokens for every active slot. Each step feeds each slot's input token at its
+- `decode_steps`: first the copies newly admitted slots need (one pair per slot, no program of its own),
+  then up to `steps` tokens for every active slot. Each step feeds each slot's input token at its
   position, takes float32 logits, selects the next token with the slot's parameters and the key
   `fold_in(key(seed), gen)` (gen = tokens the row generated so far: the static sampler's keys, so both
   engines sample the same tokens), and stops a slot on a stop token or at `max_tokens`.
@@ -20,7 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tx.sampling.filters import choose
+from tx.sampling.filters import choose, mark_present
 
 Pools = list[tuple[jax.Array, jax.Array]]
 
@@ -46,6 +47,11 @@ class SlotInputs(NamedTuple):
     max_tokens_s: jax.Array  # int32 [S]
     stop_sx: jax.Array  # int32 [S, x], -1 = unused
     table_sw: jax.Array  # int32 [S, W]
+    copy_src_s: jax.Array  # int32 [S]: a newly admitted slot's copy of its prompt's partial page (0 = none)
+    copy_dst_s: jax.Array  # int32 [S]
+    min_p_s: jax.Array  # float32 [S] (0 = off)
+    penalty_s: jax.Array  # float32 [S] repetition penalty (1 = off)
+    presence_sv: jax.Array | None  # bool [S, vocab]: tokens of each row's prompt and output (only with a penalty)
 
 
 class StepOutputs(NamedTuple):
@@ -77,17 +83,23 @@ def slot_keys(seed_s: jax.Array, gen_s: jax.Array) -> jax.Array:
 def decode_steps(model, pools: Pools, inp: SlotInputs, steps: int, topk: int, impl: str,
                  kv_block: int) -> tuple[Pools, StepOutputs]:
     s = inp.token_s.shape[0]
+    pools = copy_pages(pools, inp.copy_src_s, inp.copy_dst_s)  # before any slot reads its pages
+
+    penalized = inp.presence_sv is not None
 
     def cond(state):
         return (state[0] < steps) & jnp.any(state[4])
 
     def body(state):
-        k, pools, token_s, pos_s, active_s, gen_s, tokens_sk, logprobs_sk, hit_s, *top = state
+        k, pools, token_s, pos_s, active_s, gen_s, tokens_sk, logprobs_sk, hit_s, presence_sv, *top = state
         hidden_s1d, pools = model.paged_forward(token_s[:, None], pos_s[:, None], active_s[:, None], inp.adapter_s,
                                                 pools, inp.table_sw, impl, kv_block)
         logits_sv = model.logits(hidden_s1d, inp.adapter_s)[:, 0]
         next_s, logprob_s, chosen_top = choose(logits_sv, slot_keys(inp.seed_s, gen_s), inp.temperature_s,
-                                               inp.top_k_s, inp.top_p_s, topk)
+                                               inp.top_k_s, inp.top_p_s, topk, inp.min_p_s,
+                                               inp.penalty_s if penalized else None, presence_sv)
+        if penalized:
+            presence_sv = mark_present(presence_sv, next_s, active_s)
         if topk:
             top = [top[0].at[:, k].set(chosen_top[0]), top[1].at[:, k].set(chosen_top[1])]
         tokens_sk = tokens_sk.at[:, k].set(jnp.where(active_s, next_s, 0))
@@ -97,13 +109,13 @@ def decode_steps(model, pools: Pools, inp: SlotInputs, steps: int, topk: int, im
         hit_s = hit_s | stop_s
         ended_s = active_s & (stop_s | (gen_s >= inp.max_tokens_s))
         return (k + 1, pools, next_s, pos_s + active_s, active_s & ~ended_s, gen_s, tokens_sk, logprobs_sk, hit_s,
-                *top)
+                presence_sv, *top)
 
     state = (jnp.int32(0), pools, inp.token_s, inp.pos_s, inp.active_s, inp.gen_s, jnp.zeros((s, steps), jnp.int32),
-             jnp.zeros((s, steps), jnp.float32), jnp.zeros(s, bool))
+             jnp.zeros((s, steps), jnp.float32), jnp.zeros(s, bool), inp.presence_sv)
     if topk:
         state += (jnp.zeros((s, steps, topk), jnp.int32), jnp.zeros((s, steps, topk), jnp.float32))
-    _, pools, _, _, active_s, gen_s, tokens_sk, logprobs_sk, hit_s, *top = jax.lax.while_loop(cond, body, state)
+    _, pools, _, _, active_s, gen_s, tokens_sk, logprobs_sk, hit_s, _, *top = jax.lax.while_loop(cond, body, state)
     out = StepOutputs(tokens_sk, logprobs_sk, gen_s - inp.gen_s, inp.active_s & ~active_s, hit_s,
                       *(top or (None, None)))
     return pools, out

@@ -8,7 +8,8 @@ request that names no length cannot size every row's KV cache to the whole conte
 every token (the same distribution as no top-k), so it is clamped to "off" rather than refused;
 topk_prompt_logprobs is capped by max_topk_prompt_logprobs (and the vocabulary); so are the other top-k
 widths of SDK >= 0.32, topk_sample_logprobs and prompt_alt_tokens_k, which the SDK says the server bounds
-"the way it bounds a top-k width". target_prompt_logprobs: tx.sampling.targets.
+"the way it bounds a top-k width". target_prompt_logprobs: tx.sampling.targets. min_p is in [0, 1] (0 = off)
+and repetition_penalty > 0 (1 = off), as vLLM.
 
 Stops: None = the model's EOS tokens; [] = never stop early; a non-empty list = EOS plus those stops
 (as Tinker: stop strings do not switch EOS off).
@@ -44,8 +45,11 @@ class SampleRow:
     seed: int
     stop_tokens: list[int]
     stop_strings: list[str]
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
     options: types.SampleOptions = field(default_factory=types.SampleOptions)  # the request's SDK >= 0.32 fields
     targets: TargetPlan | None = None  # the request's target_prompt_logprobs, checked
+    tenant: str = ""  # who sent it: the prefix cache partition of rows on weights tenants share ("" = none)
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,12 @@ def _check_params(p: types.SamplingParams, prompt_len: int, limits: SampleLimits
         raise ValueError(f"temperature = {p.temperature} must be 0 or a normal float32 number > 0")
     if not (np.isfinite(top_p) and 0 < top_p <= 1):
         raise ValueError(f"top_p = {p.top_p} must be in (0, 1] as a float32")
+    with np.errstate(over="ignore"):  # 1e39 -> inf, refused below
+        min_p, penalty = np.float32(p.min_p), np.float32(p.repetition_penalty)
+    if not (np.isfinite(min_p) and 0 <= min_p <= 1):
+        raise ValueError(f"min_p = {p.min_p} must be in [0, 1] as a float32")
+    if not np.isfinite(penalty) or penalty < np.finfo(np.float32).tiny:
+        raise ValueError(f"repetition_penalty = {p.repetition_penalty} must be a normal float32 number > 0 (1 = off)")
     if p.top_k < -1:
         raise ValueError(f"top_k = {p.top_k} must be -1 (off), 0 (off) or a positive count")
     for s in p.stop or []:
@@ -169,11 +179,14 @@ def validate(
                         temperature=params.temperature,
                         top_k=effective_top_k(params.top_k, limits.vocab),
                         top_p=params.top_p,
+                        min_p=params.min_p,
+                        repetition_penalty=params.repetition_penalty,
                         seed=(seed + i - start) % 2**32,
                         stop_tokens=[s for s in stop if isinstance(s, int)],
                         stop_strings=[s for s in stop if isinstance(s, str)],
                         options=options,
                         targets=targets,
+                        tenant=batch.request_tenants[r] if r < len(batch.request_tenants) else "",
                     )
                 )
         except (KeyError, ValueError, FileNotFoundError) as e:

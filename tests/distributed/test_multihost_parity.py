@@ -1,0 +1,24 @@
+"""Two real processes on 127.0.0.1 (4 CPU devices each, gloo) against one process with 8 devices: the same
+results for every backend method, LoRA (MoE) and full training (dense)."""
+
+import pytest
+
+from tests.distributed.test_multihost import _close, run_pair, run_single
+
+
+@pytest.mark.parametrize("name", ["moe"])  # dense layers are covered by the full-training run below
+def test_two_processes_equal_one_process(tiny_dirs, tmp_path, name):
+    multi, worker_rc, _ = run_pair("parity", tiny_dirs[name], tmp_path)
+    single = run_single("parity", tiny_dirs[name], tmp_path)
+    _close(multi, single)
+    assert worker_rc == 0  # clean shutdown from process 0
+
+
+def test_full_training_two_processes_equal_one_process(tiny_dirs, tmp_path):
+    """training_mode='full' (fp32) on a (2, 2, 2) mesh over two processes == one process with 8 devices:
+    steps, forward, sampling, a checkpoint saved by both hosts and loaded back, a sampler save."""
+    multi, worker_rc, _ = run_pair("full_parity", tiny_dirs["dense"], tmp_path)
+    single = run_single("full_parity", tiny_dirs["dense"], tmp_path)
+    _close(multi, single)
+    assert multi["restored"] == multi["forward"] and multi["step2_again"] == multi["step2"]  # exact resume
+    assert worker_rc == 0

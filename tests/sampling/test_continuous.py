@@ -1,0 +1,132 @@
+"""Requests in flight on the paged engine (`sample_submit` / `sample_step`): joining a running batch,
+preemption when pages run out, weights that change under running requests, and the number of programs
+over many random requests. Each result is compared with the same request sampled alone."""
+
+import numpy as np
+import pytest
+
+import tx
+from tests.helpers import make_batch
+from tests.sampling.test_sample import PROMPTS, SP, sample_batch
+from tx import types
+
+BASE = dict(max_lora_adapters=3, max_lora_rank=4, max_seq_len=96, max_num_samples=8)
+PAGED = dict(sample_engine="paged", kv_page_size=4, kv_block=8, prefill_chunk=8, prefill_rows=2,
+             decode_steps_per_call=4, max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_dirs):
+    b = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **PAGED))
+    b.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
+    return b
+
+
+def drive(backend, batches):
+    """Submit `batches[k]` before the k-th step (None: submit nothing); step until idle; results by id."""
+    out = {}
+    for k, batch in enumerate(batches):
+        if batch is not None:
+            assert backend.sample_submit(batch) == {}
+        out |= backend.sample_step()
+    while backend.sampling_active:
+        out |= backend.sample_step()
+    return out
+
+
+def alone(backend, requests):
+    return {r[0]: backend.sample(sample_batch([r]))[r[0]] for r in requests}
+
+
+def same(a: types.SampleOutput, b: types.SampleOutput):
+    assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+    assert [s.stop_reason for s in a.sequences] == [s.stop_reason for s in b.sequences]
+    for x, y in zip(a.sequences, b.sequences):
+        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)
+
+
+def test_requests_joining_a_running_batch_sample_what_they_sample_alone(backend):
+    long = ("long", "a", [(PROMPTS[2], SP(max_tokens=60, temperature=1.0, seed=9, stop=[]))] * 3, False, 0)
+    short = ("short", "", [(PROMPTS[0], SP(max_tokens=8, temperature=1.0, seed=4, stop=[]))] * 2, False, 0)
+    later = ("later", "a", [(PROMPTS[1], SP(max_tokens=20, temperature=0.7, top_p=0.9, seed=1))], False, 0)
+    want = alone(backend, [long, short, later])
+    steps_of = {}
+    out = {}
+    for k, batch in enumerate([sample_batch([long]), None, None, sample_batch([short]), None,
+                               sample_batch([later])]):
+        if batch is not None:
+            assert backend.sample_submit(batch) == {}
+        for request_id, result in backend.sample_step().items():
+            out[request_id], steps_of[request_id] = result, k
+    k = 6
+    while backend.sampling_active:
+        for request_id, result in backend.sample_step().items():
+            out[request_id], steps_of[request_id] = result, k
+        k += 1
+    for request_id in want:
+        same(want[request_id], out[request_id])
+    # the short request joined at step 3 and left long before the long one ended: 8 tokens = 2 calls of 4
+    assert steps_of["short"] - 3 <= 3 < steps_of["long"] - steps_of["short"]
+
+
+def test_a_tiny_pool_preempts_and_every_request_finishes_correctly(tiny_dirs, backend):
+    """The minimum pool (one longest prompt + one longest row) with 16 slots: rows grow until pages run out,
+    the youngest are preempted, resumed later from their tokens so far, and sample exactly the same tokens."""
+    tight = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **(PAGED | dict(kv_cache_pages=51))))
+    tight.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
+    requests = [(f"r{i}", "" if i % 2 else "a",
+                 [(list(range(3 + i, 30 + 2 * i)), SP(max_tokens=40 + i, temperature=1.0, seed=i, stop=[]))] * 3,
+                 False, 0) for i in range(4)]
+    want = alone(backend, requests)
+    got = drive(tight, [sample_batch(requests)])
+    for request_id in want:
+        same(want[request_id], got[request_id])
+    stats = tight.metrics.sampling
+    assert stats["preempted"] > 0 and stats["peak_pages"] <= 50
+
+
+def test_weights_changing_under_a_running_request_finish_it_first(backend):
+    """An optim_step of an adapter that running rows sample from lets them finish on the old weights first
+    (their results come with the next step); requests on other weights keep running."""
+    prompt = PROMPTS[2]
+    on_a = ("on_a", "a", [(prompt, SP(max_tokens=30, temperature=1.0, seed=3, stop=[]))] * 2, False, 0)
+    on_base = ("on_base", "", [(prompt, SP(max_tokens=50, temperature=1.0, seed=3, stop=[]))], False, 0)
+    want = alone(backend, [on_a, on_base])
+    assert backend.sample_submit(sample_batch([on_a, on_base])) == {}
+    first = backend.sample_step()
+    assert first == {}
+    backend.forward_backward(make_batch([("fb", "a", [{"input_ids": prompt, "targets": prompt[1:] + [1]}],
+                                          "cross_entropy", None)]))
+    backend.optim_step("a", types.OptimStepInput(adam_params=types.AdamParams(learning_rate=0.5)))
+    assert backend._sampler._paged.reads(backend.models["a"].adapter_index) is False
+    rest = drive(backend, [])
+    same(want["on_a"], rest["on_a"])
+    same(want["on_base"], rest["on_base"])
+    changed = alone(backend, [on_a])["on_a"]
+    assert [s.tokens for s in changed.sequences] != [s.tokens for s in want["on_a"].sequences]
+
+
+def test_programs_stay_bounded_over_200_random_requests(tiny_dirs):
+    """200 requests with random prompt lengths, max_tokens, num_samples, stop lists and sampling parameters,
+    submitted in random groups between steps (the service's way): at most 12 compiled programs."""
+    b = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **PAGED))
+    b.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
+    rng = np.random.default_rng(0)
+    requests = []
+    for i in range(200):
+        n = int(rng.integers(1, 40))
+        stop = [int(t) for t in rng.integers(0, 500, int(rng.integers(0, 5)))] if rng.random() < 0.7 else None
+        params = SP(max_tokens=int(rng.integers(0, 24)), temperature=float(rng.choice([0.0, 0.7, 1.0])),
+                    top_k=int(rng.choice([-1, 5, 50])), top_p=float(rng.choice([1.0, 0.9])), seed=i, stop=stop)
+        requests.append((f"q{i}", str(rng.choice(["", "a"])), [(rng.integers(1, 500, n).tolist(), params)]
+                         * int(rng.integers(1, 5)), False, 0))
+    batches, at = [], 0
+    while at < len(requests):
+        k = int(rng.integers(0, 12))
+        batches.append(sample_batch(requests[at:at + k]) if k else None)
+        at += k
+    got = drive(b, batches)
+    assert set(got) == {r[0] for r in requests}
+    assert all(len(s.tokens) <= r[2][0][1].max_tokens for r in requests for s in got[r[0]].sequences)
+    programs = sum(v for k, v in b.metrics.compiles.items() if k.startswith("sample"))
+    assert programs <= 12, b.metrics.compiles
