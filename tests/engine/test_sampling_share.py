@@ -94,7 +94,7 @@ def test_training_and_sampling_alternate_by_share(engine):
         passes.append(done(engine, engine.submit("forward_backward", request, f"fb{seq}", model, seq)))
     # each pass waited at most about one pass's worth of sampling (share 0.5), not for the 6 s job
     waits = [b - a for a, b in zip(passes, passes[1:])]
-    assert max(waits) < 2 * PASS_S + 0.3, waits
+    assert max(waits) < 2 * PASS_S + 0.6, waits  # + scheduling slack on a loaded 2-core machine
     assert backend.running.get(long, 0) > 0  # the job is still running
     # between consecutive passes sampling ran for about as long as a pass: at least one step, a bounded number
     calls = [name for name, *_ in backend.log]

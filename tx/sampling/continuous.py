@@ -2,7 +2,7 @@
 
 `PagedEngine` keeps sampling rows (`tx.sampling.requests.SampleRow`) across calls: `add` queues a call's
 rows, each `step` runs one iteration and returns the rows that finished in it, so rows join and leave
-between device calls. `run(rows)` is add + step until they are done. How:
+between device calls (`tx.sampling.paged_calls` packs them into the device calls). How:
 - **Prompt sharing.** The rows of one request share its prompt. The prompt is prefilled once, up to but
   not including its last token, into pages the request's rows all read; each row copies the partial last
   page (copy-on-write), feeds the prompt's last token itself and decodes into its own pages. KV memory held
@@ -36,15 +36,11 @@ import numpy as np
 
 from tx.sampling.decode import DecodeOutputs
 from tx.sampling.kv_pages import PageTable
-from tx.sampling.paged_step import PrefillInputs, SlotInputs, decode_steps, prefill_chunk
+from tx.sampling.paged_calls import PagedDevice
 from tx.sampling.requests import SampleRow
 
 if TYPE_CHECKING:
     from tx.backends.sampler import Sampler
-
-
-def _pow2(n: int) -> int:
-    return 1 << (max(1, n) - 1).bit_length()
 
 
 @dataclass
@@ -126,17 +122,12 @@ class PagedEngine:
             raise ValueError(f"kv_cache_pages={self.num_pages} is below {2 * self.width + 1}: the pool must hold one "
                              f"longest prompt and one longest row (max_seq_len={self.backend.max_seq_len}, "
                              f"kv_page_size={self.page})")
-        self.slots = cfg.max_num_seqs
-        self.fsdp = self.backend.mesh.shape["fsdp"]
-        self.chunk, self.chunk_rows = cfg.prefill_chunk, cfg.prefill_rows
-        self.steps = cfg.decode_steps_per_call
-        self.impl, self.kv_block = cfg.paged_attention_impl, cfg.kv_block
+        self.slots, self.steps = cfg.max_num_seqs, cfg.decode_steps_per_call
         self.prefix_cache = cfg.prefix_cache
-        self.topk_width = _pow2(cfg.max_topk_prompt_logprobs)  # topk_sample_logprobs are bounded by it
-        self.pools: list | None = None
         self.stats = self.backend.metrics.sampling  # reported by /api/v1/metrics
         self.stats.update({"prefill_tokens": 0, "prefill_tokens_cached": 0, "decode_tokens": 0, "peak_pages": 0,
                            "calls": 0, "preempted": 0, "kv_cache_pages": self.num_pages})
+        self.device = PagedDevice(sampler, self.num_pages, self.width, self.stats)
         self._serial = 0
         self.reset()
 
@@ -157,7 +148,7 @@ class PagedEngine:
     def reset(self) -> None:
         """Forget every row and page (after a failed call the pages and donated pools are in an unknown state)."""
         self.pages = PageTable(self.num_pages, self.page)  # kept across calls: the prefix cache lives in it
-        self.pools = None
+        self.device.pools = None
         self.waiting: list[_Group] = []  # not admitted, in order (resumed rows first)
         self.prefilling: list[_Group] = []  # admitted, prompt not fully written
         self.ready: list[_Group] = []  # prompt written, rows waiting for a slot
@@ -194,23 +185,6 @@ class PagedEngine:
                 self.waiting.append(g)
             g.rows.append(item)
 
-    def run(self, rows: list[SampleRow]) -> list[RowResult]:
-        """Sample `rows` to the end (with whatever else is queued); their results in order."""
-        mine = object()
-        self.add(rows, [(mine, i) for i in range(len(rows))])
-        results: list[RowResult | None] = [None] * len(rows)
-        left = len(rows)
-        while left:
-            for tag, res in self.step():
-                if isinstance(tag, tuple) and tag[0] is mine:
-                    results[tag[1]] = res
-                    left -= 1
-                else:  # another caller's row: kept for its next `step`
-                    self._done.append((tag, res))
-            if left and self.idle:
-                raise RuntimeError("paged engine went idle with rows unfinished")
-        return results  # type: ignore[return-value]
-
     def step(self) -> list[tuple[Any, RowResult]]:
         """One iteration (admissions, at most one prefill call and one decode call); the rows that ended."""
         try:
@@ -228,7 +202,7 @@ class PagedEngine:
         self._admit_rows()
         self.stats["peak_pages"] = max(self.stats["peak_pages"], self.pages.in_use)
         if self.prefilling:
-            self._prefill(self.prefilling)
+            self.device.prefill(self.prefilling)
             for g in [g for g in self.prefilling if g.ready]:
                 self.prefilling.remove(g)
                 self.ready.append(g)
@@ -238,7 +212,7 @@ class PagedEngine:
             self.stats["peak_pages"] = max(self.stats["peak_pages"], self.pages.in_use)
         if self.live:
             live = list(self.live)
-            for lv, done in zip(live, self._decode(live)):
+            for lv, done in zip(live, self.device.decode(live)):
                 if done:
                     self._finish(lv)
 
@@ -384,110 +358,3 @@ class PagedEngine:
     def _publish(self, identity: str | None, tokens: np.ndarray, table: list[int]) -> None:
         if self._caching(identity):
             self.pages.publish(identity, tokens.tolist(), table)
-
-    # ---- device state and programs ----
-
-    def _pools(self) -> list:
-        if self.pools is None:
-            import jax.numpy as jnp
-            from jax.sharding import NamedSharding, PartitionSpec as P
-
-            from tx.models.sharding import put_global
-
-            model = self.backend.model
-            cfg, dtype = model.config, model.embed_tokens.embedding[...].dtype
-            replicated = NamedSharding(self.backend.mesh, P())
-            shape = lambda n: (n, self.num_pages, self.page, cfg.num_key_value_heads, cfg.head_dim)  # noqa: E731
-            self.pools = [tuple(put_global(np.zeros(shape(len(s.layer_ids)), jnp.dtype(dtype)), replicated)
-                                for _ in range(2)) for s in model.stacks]
-        return self.pools
-
-    def _call(self, name: str, key: tuple, fn, *args, **static) -> Any:
-        from flax import nnx
-
-        sampler = self.sampler
-        compiled = self.backend._fn(key, lambda: nnx.jit(sampler._counting(name, fn), static_argnames=tuple(static),
-                                                         donate_argnames=("pools",)))
-        return self.backend._run(name, compiled, *args, **static)
-
-    def _prefill(self, groups: list[_Group]) -> None:
-        r, c = -(-self.chunk_rows // self.fsdp) * self.fsdp, self.chunk
-        arrays = {"ids_rc": np.zeros((r, c), np.int32), "pos_rc": np.zeros((r, c), np.int32),
-                  "valid_rc": np.zeros((r, c), bool), "adapter_r": np.zeros(r, np.int32),
-                  "table_rw": np.zeros((r, self.width), np.int32)}
-        used = 0
-        for g in groups:
-            while used < r and g.prefilled < g.prefix:
-                start = g.prefilled - g.prefilled % c  # chunks at fixed absolute positions
-                end = min(start + c, g.prefix)
-                n = end - g.prefilled
-                arrays["ids_rc"][used, :n] = g.prompt[g.prefilled:end]
-                arrays["pos_rc"][used, :n] = np.arange(g.prefilled, end)
-                arrays["valid_rc"][used, :n] = True
-                arrays["adapter_r"][used] = g.adapter
-                arrays["table_rw"][used, : len(g.pages)] = g.pages
-                self.stats["prefill_tokens"] += n
-                g.prefilled = end
-                used += 1
-        inp = PrefillInputs(**self.sampler._put(arrays))
-        self.pools = self._call("sample_prefill", ("sample_prefill", r, c), prefill_chunk, self.backend.model,
-                                self._pools(), inp, impl=self.impl, kv_block=self.kv_block)
-
-    def _decode(self, live: list[_Live]) -> list[bool]:
-        # few shapes, so few programs: slots in powers of 2, one top-k width, stop lists in powers of 2 >= 8
-        s = min(_pow2(len(live)), self.slots)
-        s = -(-s // self.fsdp) * self.fsdp  # rows are split over the fsdp devices
-        topk = self.topk_width if any(lv.row.spec.options.topk_sample_logprobs for lv in live) else 0
-        stop_width = max(8, _pow2(max(len(lv.row.spec.stop_tokens) for lv in live)))
-        arrays = {"token_s": np.zeros(s, np.int32), "pos_s": np.zeros(s, np.int32), "gen_s": np.zeros(s, np.int32),
-                  "active_s": np.zeros(s, bool), "adapter_s": np.zeros(s, np.int32), "seed_s": np.zeros(s, np.uint32),
-                  "temperature_s": np.zeros(s, np.float32), "top_k_s": np.zeros(s, np.int32),
-                  "top_p_s": np.ones(s, np.float32), "max_tokens_s": np.zeros(s, np.int32),
-                  "stop_sx": np.full((s, stop_width), -1, np.int32), "table_sw": np.zeros((s, self.width), np.int32),
-                  "copy_src_s": np.zeros(s, np.int32), "copy_dst_s": np.zeros(s, np.int32),
-                  "min_p_s": np.zeros(s, np.float32), "penalty_s": np.ones(s, np.float32)}
-        # the repetition penalty's token sets, sent only when a row uses one (a program of its own)
-        penalized = any(lv.row.spec.repetition_penalty != 1.0 for lv in live)
-        if penalized:
-            arrays["presence_sv"] = np.zeros((s, self.backend.model.config.vocab_size), bool)
-        for j, lv in enumerate(live):
-            row = lv.row.spec
-            arrays["token_s"][j], arrays["pos_s"][j], arrays["gen_s"][j] = lv.token, lv.pos, len(lv.row.result.tokens)
-            arrays["active_s"][j], arrays["adapter_s"][j], arrays["seed_s"][j] = True, row.adapter, row.seed
-            arrays["temperature_s"][j], arrays["top_k_s"][j], arrays["top_p_s"][j] = row.temperature, row.top_k, row.top_p
-            arrays["max_tokens_s"][j] = row.max_tokens
-            arrays["stop_sx"][j, : len(row.stop_tokens)] = row.stop_tokens
-            arrays["table_sw"][j, : len(lv.table)] = lv.table
-            arrays["min_p_s"][j], arrays["penalty_s"][j] = row.min_p, row.repetition_penalty
-            if penalized and row.repetition_penalty != 1.0:
-                arrays["presence_sv"][j, row.prompt] = True
-                arrays["presence_sv"][j, lv.row.result.tokens] = True
-            if lv.copy is not None:
-                arrays["copy_src_s"][j], arrays["copy_dst_s"][j] = lv.copy
-                lv.copy = None
-        inp = SlotInputs(**({"presence_sv": None} | self.sampler._put(arrays)))
-        key = ("sample_decode", s, self.steps, stop_width, topk, penalized)
-        self.pools, out = self._call("sample_decode", key, decode_steps,
-                                     self.backend.model, self._pools(), inp, steps=self.steps, topk=topk,
-                                     impl=self.impl, kv_block=self.kv_block)
-        from tx.models.sharding import to_host
-
-        out = [None if x is None else to_host(x) for x in out]
-        tokens_sk, logprobs_sk, new_s, done_s, hit_s, top_ids, top_lps = out
-        self.stats["calls"] += 1
-        finished = []
-        for j, lv in enumerate(live):
-            n = int(new_s[j])
-            res = lv.row.result
-            res.tokens += tokens_sk[j, :n].tolist()
-            res.logprobs += logprobs_sk[j, :n].tolist()
-            if topk:
-                res.top_ids += top_ids[j, :n, : lv.row.spec.options.topk_sample_logprobs].tolist()
-                res.top_logprobs += top_lps[j, :n, : lv.row.spec.options.topk_sample_logprobs].tolist()
-            self.stats["decode_tokens"] += n
-            lv.pos += n
-            if n:
-                lv.token = res.tokens[-1]
-            res.stopped = bool(hit_s[j])
-            finished.append(bool(done_s[j]))
-        return finished

@@ -90,18 +90,23 @@ def select_tokens(
     min_p_b: jax.Array | None = None,
 ) -> jax.Array:
     """Next token per row: argmax where temperature == 0, else a sample of the filtered distribution.
-    `logits_bv` are the logits to choose from (already penalized, if a penalty applies)."""
-    greedy_b = jnp.argmax(logits_bv, axis=-1)
-    filtering = jnp.any(top_k_b > 0) | jnp.any(top_p_b < 1.0)  # skip the vocab sort when nobody filters
-    filtered_bv = jax.lax.cond(
-        filtering,
-        lambda: filter_logits(logits_bv, temperature_b, top_k_b, top_p_b),
-        lambda: logits_bv.astype(jnp.float32) / jnp.maximum(temperature_b, 1e-6)[:, None],
-    )
-    if min_p_b is not None:
-        filtered_bv = jax.lax.cond(jnp.any(min_p_b > 0), apply_min_p, lambda x, _: x, filtered_bv, min_p_b)
-    sampled_b = jax.vmap(jax.random.categorical)(keys_b, filtered_bv)
-    return jnp.where(temperature_b > 0, sampled_b, greedy_b).astype(jnp.int32)
+    `logits_bv` are the logits to choose from (already penalized, if a penalty applies). A batch of greedy
+    rows skips the sampling work (filters and a vocab-wide Gumbel draw per row)."""
+    greedy_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+
+    def sample() -> jax.Array:
+        filtering = jnp.any(top_k_b > 0) | jnp.any(top_p_b < 1.0)  # skip the vocab sort when nobody filters
+        filtered_bv = jax.lax.cond(
+            filtering,
+            lambda: filter_logits(logits_bv, temperature_b, top_k_b, top_p_b),
+            lambda: logits_bv.astype(jnp.float32) / jnp.maximum(temperature_b, 1e-6)[:, None],
+        )
+        if min_p_b is not None:
+            filtered_bv = jax.lax.cond(jnp.any(min_p_b > 0), apply_min_p, lambda x, _: x, filtered_bv, min_p_b)
+        return jax.vmap(jax.random.categorical)(keys_b, filtered_bv).astype(jnp.int32)
+
+    sampled_b = jax.lax.cond(jnp.any(temperature_b > 0), sample, lambda: greedy_b)
+    return jnp.where(temperature_b > 0, sampled_b, greedy_b)
 
 
 def choose(logits_bv: jax.Array, keys_b: jax.Array, temperature_b: jax.Array, top_k_b: jax.Array, top_p_b: jax.Array,
