@@ -52,12 +52,14 @@ class JaxBackendConfig(BaseModel):
         "continuous batching (requests join and leave between device calls; tx/sampling/continuous.py); "
         "'static': each call decodes its rows as padded batches with a dense KV cache (kept for comparison)")
     kv_page_size: int = Field(16, ge=1, description="paged engine: tokens per KV page")
-    kv_cache_pages: int = Field(0, ge=0, description="paged engine: KV pages in the pool (0 = max_num_seqs / 4 "
-                                "rows of max_seq_len plus room for one longest prompt and row, capped at half of "
-                                "the device memory free at first use where the device reports it)")
+    kv_cache_pages: int = Field(0, ge=0, description="paged engine: KV pages in the pool (0 = every decode slot "
+                                "at max_seq_len plus one longest prompt and row, capped at half of the device "
+                                "memory free at start, or a quarter of the available host memory on CPU)")
     max_num_seqs: int = Field(64, ge=1, description="paged engine: decode slots (rows decoding at once)")
     prefill_chunk: int = Field(64, ge=1, description="paged engine: prompt tokens per prefill chunk")
-    prefill_rows: int = Field(4, ge=1, description="paged engine: prefill chunks per device call")
+    prefill_rows: int = Field(64, ge=1, description="paged engine: most prefill chunks per device call (a call "
+                              "takes what the admitted prompts need, in powers of 4; the decoding rows wait for it, "
+                              "so lower it where prefill is slow, e.g. on CPU with a large model)")
     decode_steps_per_call: int = Field(8, ge=1, description="paged engine: decode steps per device call (rows "
                                        "join and leave between calls)")
     paged_attention_impl: Literal["blocked", "reference", "pallas"] = Field(

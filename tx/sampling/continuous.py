@@ -19,8 +19,10 @@ between device calls (`tx.sampling.paged_calls` packs them into the device calls
   goes back to the front of the queue with prompt + its tokens so far as its new prompt. A resumed row
   samples exactly the tokens it would have (its keys depend only on its seed and token count). The pool
   always holds one longest prompt beside one longest row, so the oldest row always progresses.
-- **Admission.** Requests are admitted in order: a new prompt is prefilled only once every earlier
-  request's rows hold a slot, and only while the free pages cover it and the live rows' next call.
+- **Admission.** Requests are admitted in order, as many per iteration as the free slots can take rows
+  of (so a batch of distinct prompts prefills together, up to `prefill_rows` chunks per call), and at
+  least one ahead of the slots (so a prompt is ready when a slot frees), each only while the free pages
+  cover it and the live rows' next call.
 - **Determinism.** Decisions depend only on the rows and the configuration (no clocks, no `hash()`), so
   every host of a multi-host run makes the same ones. A row's tokens depend only on its seed and its own
   position in the generated sequence: alone, in a full batch, joining later or resumed after preemption,
@@ -132,18 +134,22 @@ class PagedEngine:
         self.reset()
 
     def _auto_pages(self, slots: int) -> int:
-        """A quarter of the slots at full length plus one longest prompt and row, within half the free memory."""
+        """Every slot at full length plus one longest prompt and row, within half the free device memory
+        (a quarter of the available host memory where the device does not report it, as on CPU)."""
+        import os
+
         import jax
 
-        want = slots * self.width // 4 + 2 * self.width + 1
+        want = slots * self.width + 2 * self.width + 1
         cfg = self.backend.model.config
         itemsize = self.backend.model.embed_tokens.embedding[...].dtype.itemsize
         page_bytes = 2 * cfg.num_hidden_layers * self.page * cfg.num_key_value_heads * cfg.head_dim * itemsize
         stats = jax.local_devices()[0].memory_stats() or {}
         if stats.get("bytes_limit"):
-            fit = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) // 2 // page_bytes
-            want = max(2 * self.width + 1, min(want, int(fit)))
-        return want
+            budget = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) // 2
+        else:
+            budget = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+        return max(2 * self.width + 1, min(want, int(budget // page_bytes)))
 
     def reset(self) -> None:
         """Forget every row and page (after a failed call the pages and donated pools are in an unknown state)."""
@@ -198,7 +204,7 @@ class PagedEngine:
     # ---- one iteration ----
 
     def _iterate(self) -> None:
-        self._admit_group()
+        self._admit_groups()
         self._admit_rows()
         self.stats["peak_pages"] = max(self.stats["peak_pages"], self.pages.in_use)
         if self.prefilling:
@@ -216,17 +222,26 @@ class PagedEngine:
                 if done:
                     self._finish(lv)
 
-    def _admit_group(self) -> None:
-        """Admit the next request once every earlier one's rows hold a slot and the pool has room for it."""
-        if not self.waiting or self.prefilling or self.ready:
-            return
-        g, pages = self.waiting[0], self.pages
+    def _admit_groups(self) -> None:
+        """Admit waiting requests in order while the slots can take their rows (the first one also when
+        they cannot, once every earlier request's rows hold a slot)."""
+        while self.waiting:
+            queued = sum(len(g.rows) for g in self.prefilling + self.ready)
+            if queued and len(self.live) + queued + len(self.waiting[0].rows) > self.slots:
+                return
+            if not self._admit_group(self.waiting[0]):
+                return
+
+    def _admit_group(self, g: _Group) -> bool:
+        """Admit `g` (the first waiting request) if the pool has room for its prompt, its first row's
+        first call and the live rows' next call."""
+        pages = self.pages
         total = -(-g.prefix // self.page)
         hits = pages.lookup(g.identity, g.prompt[: g.prefix]) if self._caching(g.identity) else []
         need = total - len(hits) + self._window(g.prefix, self._last(g, g.rows[0]), g.prefix)
         if pages.available < need + self._growth():
             pages.release(hits)
-            return
+            return False
         g.pages = hits + pages.allocate(total - len(hits))
         g.prefilled = len(hits) * self.page
         if g.cached is None:  # its first admission (a re-admission reads what it wrote itself)
@@ -235,6 +250,7 @@ class PagedEngine:
         (self.prefilling if not g.ready else self.ready).append(self.waiting.pop(0))
         if g.ready:
             self._publish(g.identity, g.prompt[: g.prefix], g.pages)
+        return True
 
     def _admit_rows(self) -> None:
         """Give waiting rows of prefilled prompts free slots."""
@@ -290,14 +306,15 @@ class PagedEngine:
             i += 1
 
     def _free_room(self, n: int, keep: _Live) -> bool:
-        """Release pages until `n` are available: groups waiting for slots first, then the youngest live
-        rows. False when only `keep` is left to take them from."""
-        for g in reversed(self.ready):
+        """Release pages until `n` are available: admitted requests no slot reads yet first (youngest
+        first; their prompts are prefilled again later), then the youngest live rows. False when only
+        `keep` is left to take them from."""
+        idle = [g for g in self.ready + self.prefilling if g.live == 0 and g.pages]
+        for g in sorted(idle, key=lambda g: g.rows[0].serial, reverse=True):
             if self.pages.available >= n:
                 return True
-            if g.live == 0 and g.pages:  # no slot reads its prompt yet: prefill it again later
-                self.ready.remove(g)
-                self._unadmit(g)
+            (self.ready if g in self.ready else self.prefilling).remove(g)
+            self._unadmit(g)
         victim = self.live[-1]
         if self.pages.available >= n:
             return True
@@ -307,7 +324,7 @@ class PagedEngine:
         return True
 
     def _unadmit(self, g: _Group) -> None:
-        self._publish(g.identity, g.prompt[: g.prefix], g.pages)
+        self._publish(g.identity, g.prompt[: g.prefilled], g.pages)
         self.pages.release(g.pages)
         g.pages, g.prefilled = [], 0
         self.waiting.insert(0, g)

@@ -3,8 +3,9 @@ inputs of `prefill_chunk` and `decode_steps` (tx/sampling/paged_step.py), then t
 
 `tx/sampling/continuous.py` decides which prompts and rows run (pages, slots, preemption); this module
 only turns its `_Group`s (prompts being prefilled) and `_Live` rows (decode slots) into arrays. Few shapes,
-so few programs: prefill rows and decode slots are rounded to the fsdp size (rows are split over its
-devices), slots go in powers of 2, stop lists in powers of 2 >= 8, and top-k has one width.
+so few programs: prefill rows go in powers of 4 up to `prefill_rows`, decode slots in powers of 2 up to
+`max_num_seqs` (both rounded up to the fsdp size: rows are split over its devices), stop lists in powers of
+2 >= 8, and top-k has one width.
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ if TYPE_CHECKING:
 
 def pow2(n: int) -> int:
     return 1 << (max(1, n) - 1).bit_length()
+
+
+def pow4(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 4
+    return p
 
 
 class PagedDevice:
@@ -64,9 +72,12 @@ class PagedDevice:
         return self.backend._run(name, compiled, *args, **static)
 
     def prefill(self, groups: list[_Group]) -> None:
-        """One call writing up to `prefill_rows` chunks of the groups' prompts (in order) into their pages;
-        advances each group's `prefilled`."""
-        r, c = -(-self.chunk_rows // self.fsdp) * self.fsdp, self.chunk
+        """One call writing up to `prefill_rows` chunks of the groups' prompts (in order) into their pages
+        (as many rows as they need, in powers of 4); advances each group's `prefilled`."""
+        c = self.chunk
+        wanted = sum((g.prefix - 1) // c - g.prefilled // c + 1 for g in groups if g.prefilled < g.prefix)
+        r = min(pow4(wanted), self.chunk_rows)  # rows in powers of 4: few programs, little padding
+        r = -(-r // self.fsdp) * self.fsdp
         arrays = {"ids_rc": np.zeros((r, c), np.int32), "pos_rc": np.zeros((r, c), np.int32),
                   "valid_rc": np.zeros((r, c), bool), "adapter_r": np.zeros(r, np.int32),
                   "table_rw": np.zeros((r, self.width), np.int32)}
