@@ -50,9 +50,10 @@ def long_and_short(server, sampler, prompt: T.ModelInput) -> tuple[float, float]
 def test_a_short_request_joins_a_long_batch_and_returns_first(server):
     sampler = sdk_flows.service(server.url).create_sampling_client(base_model="tiny").result()
     prompt = T.ModelInput.from_ints(list(range(10, 30)))
-    # the first time compiles the programs both phases use (8 rows, then 9), so the second time measures
-    # only how long the short request waits
-    long_and_short(server, sampler, prompt)
+    # compile the decode programs the measured run can use: 8 rows (the long batch), 9 (the short one
+    # joined: slot bucket 16) and 1 (the short one alone), so the measurement times no compile
+    for rows in (9, 8, 1):
+        sampler.sample(prompt, rows, T.SamplingParams(max_tokens=16, stop=[])).result()
     compiles = server.get("/api/v1/metrics").json()["backend_compiles"]
     short_s, long_s = long_and_short(server, sampler, prompt)
     assert server.get("/api/v1/metrics").json()["backend_compiles"] == compiles
