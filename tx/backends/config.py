@@ -54,7 +54,7 @@ class JaxBackendConfig(BaseModel):
     kv_page_size: int = Field(16, ge=1, description="paged engine: tokens per KV page")
     kv_cache_pages: int = Field(0, ge=0, description="paged engine: KV pages in the pool (0 = every decode slot "
                                 "at max_seq_len plus one longest prompt and row, capped at half of the device "
-                                "memory free at start, or a quarter of the available host memory on CPU)")
+                                "memory free at start, or a quarter of the host's memory on CPU)")
     max_num_seqs: int = Field(64, ge=1, description="paged engine: decode slots (rows decoding at once)")
     prefill_chunk: int = Field(64, ge=1, description="paged engine: prompt tokens per prefill chunk")
     prefill_rows: int = Field(64, ge=1, description="paged engine: most prefill chunks per device call (a call "

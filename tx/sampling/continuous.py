@@ -135,7 +135,8 @@ class PagedEngine:
 
     def _auto_pages(self, slots: int) -> int:
         """Every slot at full length plus one longest prompt and row, within half the free device memory
-        (a quarter of the available host memory where the device does not report it, as on CPU)."""
+        (a quarter of the host's memory where the device does not report it, as on CPU: its total, not what
+        is free now, so every process of a multi-host run on alike hosts sizes the same pool)."""
         import os
 
         import jax
@@ -148,7 +149,7 @@ class PagedEngine:
         if stats.get("bytes_limit"):
             budget = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) // 2
         else:
-            budget = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+            budget = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
         return max(2 * self.width + 1, min(want, int(budget // page_bytes)))
 
     def reset(self) -> None:
