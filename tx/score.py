@@ -15,11 +15,11 @@ import logging
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding
 
 from tx.models.config import LoraSlots
@@ -42,7 +42,7 @@ def tiny_model_dir() -> Path:
     return path
 
 
-@nnx.jit(static_argnames="chunk_size")
+@partial(jax.jit, static_argnames="chunk_size")
 def _token_logprobs(model, ids_bt, mask_bt, targets_bt, chunk_size: int):
     hidden_btd = model(ids_bt, mask_bt)
     return model.target_logprobs(hidden_btd, targets_bt, chunk_size=chunk_size)

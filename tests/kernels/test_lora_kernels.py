@@ -21,9 +21,10 @@ def _weights(rng, g, i, r, o):
     )
 
 
-def test_rows_matches_reference_and_gradients():
+@pytest.mark.parametrize("t", [7, 1])  # per-row gathers; one token per row: the one-hot over slots
+def test_rows_matches_reference_and_gradients(t):
     rng = np.random.default_rng(0)
-    b, t, i, r, o, g = 5, 7, 12, 4, 9, 6
+    b, i, r, o, g = 5, 12, 4, 9, 6
     x = jnp.asarray(rng.standard_normal((b, t, i)), jnp.float32)
     adapter_b = jnp.asarray([3, 0, 3, 5, 1])
     a, bb, s = _weights(rng, g, i, r, o)
@@ -82,10 +83,11 @@ def test_rows_cost_independent_of_adapters(slots):
     assert one.shape == many.shape
 
 
-@pytest.mark.parametrize("b", [9, 3])  # b >= slots: one-hot over (slot, rank); b < slots: per-row B
-def test_head_matches_reference_and_rows(b):
+# b >= slots: one-hot over (slot, rank); b < slots: per-row B; t = 1: one dot over every slot
+@pytest.mark.parametrize("b, t", [(9, 5), (3, 5), (9, 1), (3, 1)])
+def test_head_matches_reference_and_rows(b, t):
     rng = np.random.default_rng(3)
-    t, i, r, o, g = 5, 16, 4, 50, 6
+    i, r, o, g = 16, 4, 50, 6
     x = jnp.asarray(rng.standard_normal((b, t, i)), jnp.float32)
     adapter_b = jnp.asarray([0, 4, 4, 1, 0, 5, 3, 4, 0][:b])  # slot 0 rows, repeats, absent slot 2
     a, bb, s = _weights(rng, g, i, r, o)
@@ -117,6 +119,11 @@ def test_bf16_input_keeps_the_lora_path_in_float32():
     (bf16-representable) input, for the row and head kernels."""
     rng = np.random.default_rng(4)
     b, t, i, r, o, g = 4, 6, 32, 8, 40, 3
+    _bf16_check(rng, b, t, i, r, o, g)
+    _bf16_check(rng, b, 1, i, r, o, g)  # decode: the one-hot path
+
+
+def _bf16_check(rng, b, t, i, r, o, g):
     x16 = jnp.asarray(rng.standard_normal((b, t, i)), jnp.bfloat16)
     x32 = x16.astype(jnp.float32)
     adapter_b = jnp.asarray([2, 0, 1, 2])

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding
 
 from tx import types
@@ -72,7 +71,7 @@ class Sampler:
 
     def _jit(self, key: tuple, fn: Callable, static: tuple[str, ...]) -> Callable:
         backend = self.backend
-        return backend._fn(key, lambda: nnx.jit(self._counting(key[0], fn), static_argnames=static))
+        return backend._fn(key, lambda: jax.jit(self._counting(key[0], fn), static_argnames=static))
 
     def _counting(self, name: str, fn: Callable) -> Callable:
         on_trace = self.backend._counted(name)

@@ -6,11 +6,12 @@ in float32, and the rank-r intermediate stays float32 (as PEFT does; it is rank-
 - `lora_delta_rows`: every batch row belongs to one adapter (training, prefill, decode). Each row's A
   and B are gathered (`[b, in, R]`, tiny next to the `[b, t, in]` activations) and applied with a batched
   matmul. FLOPs are `b * t * in * R * 2`, independent of how many adapters the batch mixes and of how
-  many slots exist; no token permutation, and rows stay on their fsdp shard.
+  many slots exist; no token permutation, and rows stay on their fsdp shard. Decode rows (one token) skip
+  the gathers, which cost more than their FLOPs there: a one-hot over slots applies every slot's factors.
 - `add_lora_head_delta`: the same product for an output as wide as the vocabulary, where a per-row B
   (`[b, R, vocab]`) or a separate delta would cost as much memory as the logits. `x A` is per row; B is
   applied for all slots at once through a one-hot over (slot, rank), added in place into the base logits
-  a vocabulary block at a time, so memory does not grow with rows.
+  a vocabulary block at a time, so memory does not grow with rows (decode: one dot, the logits' size).
 - `make_routing`: the sort of rows by a group id (MoE: expert x present adapter) that the grouped
   matmuls of `tx.kernels.gmm` take.
 - `lora_delta_reference`: gathers a weight matrix per token; memory O(tokens * in * R), the oracle.
@@ -42,16 +43,44 @@ def make_routing(group_n: jax.Array, num_groups: int) -> Routing:
     return Routing(sort_n, unsort_n, sizes_g)
 
 
+ONE_HOT_MAX_SLOTS = 64  # decode (one token per row) applies every slot's A and B to every row up to this many slots
+
+
+def _one_hot_slots(t: int, slots: int) -> bool:
+    return t == 1 and slots <= ONE_HOT_MAX_SLOTS
+
+
 def _rank_activations(x_bti: jax.Array, adapter_b: jax.Array, lora_a_air: jax.Array) -> jax.Array:
     """float32 `x_b A[a_b]` [b, t, R]; the per-row A is rank-sized."""
     a_bir = lora_a_air[adapter_b].astype(jnp.float32)
     return jnp.einsum("bti,bir->btr", x_bti.astype(jnp.float32), a_bir)
 
 
+def _slot_rank_activations(x_bti: jax.Array, adapter_b: jax.Array, lora_a_air: jax.Array,
+                           scale_a: jax.Array) -> jax.Array:
+    """float32 `[b, t, A*R]`: row b's `scale[a_b] * x_b A[a_b]` in its slot's R columns, exact zeros in the
+    others. `x` meets every slot's A at once: no per-row gather, for `A`x the rank FLOPs (cheap at one
+    token per row: decode)."""
+    b, t, _ = x_bti.shape
+    slots, _, rank = lora_a_air.shape
+    h_btar = jnp.einsum("bti,air->btar", x_bti.astype(jnp.float32), lora_a_air.astype(jnp.float32))
+    weight_ba = jnp.where(adapter_b[:, None] == jnp.arange(slots)[None, :], scale_a.astype(jnp.float32)[None], 0.0)
+    return (h_btar * weight_ba[:, None, :, None]).reshape(b, t, slots * rank)
+
+
 def lora_delta_rows(
     x_bti: jax.Array, adapter_b: jax.Array, lora_a_air: jax.Array, lora_b_aro: jax.Array, scale_a: jax.Array
 ) -> jax.Array:
-    """`scale[a_b] * (x_b A[a_b]) B[a_b]` for every row b; float32 [b, t, o]."""
+    """`scale[a_b] * (x_b A[a_b]) B[a_b]` for every row b; float32 [b, t, o].
+
+    Rows of one token (decode, up to ONE_HOT_MAX_SLOTS slots) apply every slot's factors through a one-hot
+    over slots (`_slot_rank_activations`, then B viewed as `[A*R, o]`), which copies no weights; longer
+    rows gather their own A and B (rank-sized per row, FLOPs independent of the slot count)."""
+    b, t, _ = x_bti.shape
+    slots, rank, out = lora_b_aro.shape
+    if _one_hot_slots(t, slots):
+        h_btq = _slot_rank_activations(x_bti, adapter_b, lora_a_air, scale_a)
+        return jnp.einsum("btq,qo->bto", h_btq, lora_b_aro.astype(jnp.float32).reshape(slots * rank, out))
     h_btr = _rank_activations(x_bti, adapter_b, lora_a_air)
     b_bro = lora_b_aro[adapter_b].astype(jnp.float32)
     y_bto = jnp.einsum("btr,bro->bto", h_btr, b_bro)
@@ -80,6 +109,10 @@ def add_lora_head_delta(
     in place, `block` columns at a time (`_add_low_rank`), so no `[b, t, o]` delta exists either."""
     b, t, out = logits_bto.shape
     num_slots, rank, _ = lora_b_aro.shape
+    if _one_hot_slots(t, num_slots):  # decode: one dot over every slot's B; the delta is the logits' size
+        h_nq = _slot_rank_activations(x_bti, adapter_b, lora_a_air, scale_a).reshape(b * t, num_slots * rank)
+        delta_no = jnp.dot(h_nq, lora_b_aro.astype(jnp.float32).reshape(num_slots * rank, out))
+        return logits_bto.astype(jnp.float32) + delta_no.reshape(b, t, out)
     h_btr = _rank_activations(x_bti, adapter_b, lora_a_air) * scale_a[adapter_b][:, None, None].astype(jnp.float32)
     if b >= num_slots:
         group_b, b_gro = adapter_b, lora_b_aro

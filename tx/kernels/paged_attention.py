@@ -72,6 +72,40 @@ def reference_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt,
     return attention(q_bthd, k_bskd, v_bskd, mask_bts, scale)
 
 
+def _block_scores(q_btkgd: jax.Array, k_bskd: jax.Array) -> jax.Array:
+    return jnp.einsum("btkgd,bskd->bkgts", q_btkgd, k_bskd, preferred_element_type=jnp.float32)
+
+
+def _block_values(p_bkgts: jax.Array, v_bskd: jax.Array) -> jax.Array:
+    return jnp.einsum("bkgts,bskd->btkgd", p_bkgts, v_bskd, preferred_element_type=jnp.float32)
+
+
+# Decode (t = 1): the gathered block `[b, s, kv, d]` has the kv heads inside the token axis, so a dot with
+# (row, kv head) batch dimensions first transposes the whole block (a second copy of every key and value
+# read). Instead every query head meets every kv head of the block as stored, `[b, s * kv, d]`, and a
+# one-hot over kv heads keeps each head's own scores (kv x the score FLOPs, which are tiny next to the
+# block's bytes at t = 1); the masked terms are exact zeros, so the kept sums are unchanged.
+
+
+def _decode_scores(q_btkgd: jax.Array, k_bskd: jax.Array) -> jax.Array:
+    b, t, kv, g, d = q_btkgd.shape
+    s = k_bskd.shape[1]
+    all_bhn = jnp.einsum("bhd,bnd->bhn", q_btkgd.reshape(b, kv * g, d), k_bskd.reshape(b, s * kv, d),
+                         preferred_element_type=jnp.float32)
+    own_kk = jnp.eye(kv, dtype=jnp.float32)[:, None, None, :]  # [kv, 1, 1, kv']
+    s_bkgs = jnp.sum(all_bhn.reshape(b, kv, g, s, kv) * own_kk, axis=-1)
+    return s_bkgs[:, :, :, None, :]
+
+
+def _decode_values(p_bkgts: jax.Array, v_bskd: jax.Array) -> jax.Array:
+    b, kv, g, t, s = p_bkgts.shape
+    d = v_bskd.shape[-1]
+    own_kk = jnp.eye(kv, dtype=p_bkgts.dtype)[:, None, None, :]
+    p_bhn = (p_bkgts[:, :, :, 0, :, None] * own_kk).reshape(b, kv * g, s * kv)
+    pv_bhd = jnp.einsum("bhn,bnd->bhd", p_bhn, v_bskd.reshape(b, s * kv, d), preferred_element_type=jnp.float32)
+    return pv_bhd.reshape(b, 1, kv, g, d)
+
+
 def blocked_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale: float,
                             kv_block: int = 128) -> jax.Array:
     """Online-softmax attention over blocks of `kv_block` tokens (a multiple of the page size)."""
@@ -87,20 +121,21 @@ def blocked_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, s
     q_btkgd = q_bthd.reshape(b, t, kv, h // kv, d)
     n_blocks = jnp.max(q_pos_bt) // kv_block + 1  # the blocks the furthest query needs
 
+    scores, weighted_values = (_decode_scores, _decode_values) if t == 1 else (_block_scores, _block_values)
+
     def body(carry):
         j, m_bkgt, l_bkgt, acc_btkgd = carry
         pages_bm = jax.lax.dynamic_slice_in_dim(table_bw, j * pages_per_block, pages_per_block, axis=1)
         k_bskd, v_bskd = _gather(k_pool, layer, pages_bm), _gather(v_pool, layer, pages_bm)
         key_pos_s = j * kv_block + jnp.arange(kv_block)
         mask_bts = key_pos_s[None, None, :] <= q_pos_bt[:, :, None]
-        s_bkgts = jnp.einsum("btkgd,bskd->bkgts", q_btkgd, k_bskd, preferred_element_type=jnp.float32)
+        s_bkgts = scores(q_btkgd, k_bskd)
         s_bkgts = jnp.where(mask_bts[:, None, None], s_bkgts * scale, _MASKED)
         m_new = jnp.maximum(m_bkgt, s_bkgts.max(axis=-1))
         p_bkgts = jnp.exp(s_bkgts - m_new[..., None])
         corr_bkgt = jnp.exp(m_bkgt - m_new)
         l_new = l_bkgt * corr_bkgt + p_bkgts.sum(axis=-1)
-        pv_btkgd = jnp.einsum("bkgts,bskd->btkgd", p_bkgts.astype(v_bskd.dtype), v_bskd,
-                              preferred_element_type=jnp.float32)
+        pv_btkgd = weighted_values(p_bkgts.astype(v_bskd.dtype), v_bskd)
         acc_new = acc_btkgd * jnp.moveaxis(corr_bkgt, -1, 1)[..., None] + pv_btkgd
         return j + 1, m_new, l_new, acc_new
 

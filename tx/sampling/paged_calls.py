@@ -64,10 +64,10 @@ class PagedDevice:
         return self.pools
 
     def _call(self, name: str, key: tuple, fn, *args, **static) -> Any:
-        from flax import nnx
+        import jax
 
         sampler = self.sampler
-        compiled = self.backend._fn(key, lambda: nnx.jit(sampler._counting(name, fn), static_argnames=tuple(static),
+        compiled = self.backend._fn(key, lambda: jax.jit(sampler._counting(name, fn), static_argnames=tuple(static),
                                                          donate_argnames=("pools",)))
         return self.backend._run(name, compiled, *args, **static)
 
