@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tx.sampling.filters import choose, filter_logits, mark_present, penalize, row_keys, select_tokens
+from tx.sampling.filters import (choose, filter_logits, first_argmax, mark_present, penalize, row_keys,
+                                 select_tokens)
 
 PROBS = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
 LOGITS = np.log(PROBS)
@@ -177,3 +178,17 @@ def test_choose_penalizes_the_choice_not_the_logprobs():
     allowed = np.isfinite(_hf_reference(logits, ids, temperature, top_k, top_p, min_p, penalty))
     assert allowed[np.arange(len(allowed)), np.asarray(token)].all()
     np.testing.assert_allclose(np.asarray(logprob), raw[np.arange(len(raw)), np.asarray(token)], rtol=1e-6)
+
+
+def test_first_argmax_is_numpys_argmax_with_ties_and_infinities():
+    rng = np.random.default_rng(7)
+    logits = rng.standard_normal((6, 3000)).astype(np.float32)
+    logits[1, [5, 17, 2999]] = 9.0  # a tie: the first index wins
+    logits[2, :] = -np.inf
+    logits[2, 123] = 0.0
+    logits[3, :] = 1.5  # all equal
+    logits[4, 2999] = np.inf
+    logits[5] = np.round(logits[5])  # many ties at the maximum
+    got = np.asarray(jax.jit(first_argmax)(jnp.asarray(logits)))
+    np.testing.assert_array_equal(got, logits.argmax(-1))
+    assert got.dtype == np.int32

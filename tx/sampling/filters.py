@@ -81,6 +81,16 @@ def filter_logits(logits_bv: jax.Array, temperature_b: jax.Array, top_k_b: jax.A
     return filtered_bv if min_p_b is None else apply_min_p(filtered_bv, min_p_b)
 
 
+def first_argmax(logits_bv: jax.Array) -> jax.Array:
+    """int32 [b]: the first index of each row's maximum (as `jnp.argmax`), as two single-operand reductions
+    (max, then min over the indices that reach it), which XLA vectorises; argmax's (value, index) pair
+    reduction does not."""
+    vocab = logits_bv.shape[-1]
+    max_b1 = jnp.max(logits_bv, axis=-1, keepdims=True)
+    first_b = jnp.min(jnp.where(logits_bv == max_b1, jnp.arange(vocab, dtype=jnp.int32)[None, :], vocab), axis=-1)
+    return jnp.where(first_b < vocab, first_b, 0)  # a NaN row has no maximum: token 0
+
+
 def select_tokens(
     logits_bv: jax.Array,
     keys_b: jax.Array,
@@ -92,7 +102,7 @@ def select_tokens(
     """Next token per row: argmax where temperature == 0, else a sample of the filtered distribution.
     `logits_bv` are the logits to choose from (already penalized, if a penalty applies). A batch of greedy
     rows skips the sampling work (filters and a vocab-wide Gumbel draw per row)."""
-    greedy_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    greedy_b = first_argmax(logits_bv)
 
     def sample() -> jax.Array:
         filtering = jnp.any(top_k_b > 0) | jnp.any(top_p_b < 1.0)  # skip the vocab sort when nobody filters
@@ -126,10 +136,14 @@ def choose(logits_bv: jax.Array, keys_b: jax.Array, temperature_b: jax.Array, to
         choose_from_bv = jax.lax.cond(jnp.any(penalty_b != 1.0), penalize,
                                       lambda x, *_: x.astype(jnp.float32), logits_bv, presence_bv, penalty_b)
     token_b = select_tokens(choose_from_bv, keys_b, temperature_b, top_k_b, top_p_b, min_p_b)
-    logsoftmax_bv = jax.nn.log_softmax(logits_bv.astype(jnp.float32), axis=-1)
-    logprob_b = jnp.take_along_axis(logsoftmax_bv, token_b[:, None], axis=-1)[:, 0]
+    logits_bv = logits_bv.astype(jnp.float32)
+    # log_softmax's own arithmetic for the chosen token only: no [b, vocab] log-prob array
+    max_b1 = jnp.max(logits_bv, axis=-1, keepdims=True)
+    log_sum_b = jnp.log(jnp.sum(jnp.exp(logits_bv - max_b1), axis=-1))
+    chosen_b = jnp.take_along_axis(logits_bv, token_b[:, None], axis=-1)[:, 0]
+    logprob_b = (chosen_b - max_b1[:, 0]) - log_sum_b
     top = None
     if topk:
-        top_lp_bk, top_ids_bk = jax.lax.top_k(logsoftmax_bv, topk)
+        top_lp_bk, top_ids_bk = jax.lax.top_k(jax.nn.log_softmax(logits_bv, axis=-1), topk)
         top = (top_ids_bk.astype(jnp.int32), top_lp_bk)
     return token_b, logprob_b, top
