@@ -5,8 +5,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tx.sampling.filters import (choose, filter_logits, first_argmax, mark_present, penalize, row_keys,
-                                 select_tokens)
+from tx.sampling.filters import (
+    choose,
+    filter_logits,
+    first_argmax,
+    mark_present,
+    penalize,
+    row_keys,
+    sample_categorical,
+    select_tokens,
+)
 
 PROBS = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
 LOGITS = np.log(PROBS)
@@ -36,6 +44,30 @@ def test_nucleus_and_top_k_support_and_frequencies():
     draws = _draw(n, 0.5, -1, 1.0)
     sharp = PROBS**2 / np.sum(PROBS**2)
     np.testing.assert_allclose(np.bincount(draws, minlength=6) / n, sharp, atol=0.015)
+
+
+def test_two_level_draw_follows_the_distribution_across_blocks_and_skips_masked_tokens():
+    """sample_categorical with blocks of 8 over a vocabulary of 45 (a partial last block): frequencies equal
+    numpy's softmax (20,000 draws, 0.012), -inf entries and all-masked blocks never drawn, and a row's token
+    is the same alone as in a batch."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=45).astype(np.float32) * 1.5
+    logits[[0, 7, 8, 30, 44]] = -np.inf
+    logits[16:24] = -np.inf  # a whole block masked
+    probs = np.exp(logits - logits[np.isfinite(logits)].max())
+    probs /= probs.sum()
+    n = 20000
+    keys = row_keys(jnp.arange(n, dtype=jnp.uint32), jnp.int32(0))
+    draws = np.asarray(sample_categorical(keys, jnp.tile(jnp.asarray(logits), (n, 1)), block=8))
+    assert np.all(np.isfinite(logits[draws]))
+    np.testing.assert_allclose(np.bincount(draws, minlength=45) / n, probs, atol=0.012)
+    # a single surviving token, at a block's last and at the vocabulary's last position
+    for only in (15, 44):
+        one = np.full(45, -np.inf, np.float32)
+        one[only] = 0.0
+        assert set(np.asarray(sample_categorical(keys[:200], jnp.tile(jnp.asarray(one), (200, 1)), block=8))) == {only}
+    alone = [int(sample_categorical(keys[i:i + 1], jnp.asarray(logits)[None], block=8)[0]) for i in range(5)]
+    assert alone == draws[:5].tolist()
 
 
 def test_greedy_top_k_one_and_tiny_top_p():

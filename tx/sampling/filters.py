@@ -91,6 +91,34 @@ def first_argmax(logits_bv: jax.Array) -> jax.Array:
     return jnp.where(first_b < vocab, first_b, 0)  # a NaN row has no maximum: token 0
 
 
+SAMPLE_BLOCK = 1024  # vocabulary entries per block of `sample_categorical`
+
+
+def sample_categorical(keys_b: jax.Array, logits_bv: jax.Array, block: int = SAMPLE_BLOCK) -> jax.Array:
+    """One token per row drawn from `softmax(logits_bv)` (-inf entries are never drawn) by inverting the
+    CDF with one uniform per row, in two levels: a vocabulary block by the block sums' CDF, then a token by
+    the chosen block's CDF (short cumulative sums, so little float32 rounding). Per-row keys: a row's draw
+    does not depend on the batch. Costs about two passes over the logits; a Gumbel-max draw (jax.random.
+    categorical) needs a random number per vocabulary entry, several times the whole decode step on CPU."""
+    b, v = logits_bv.shape
+    block = min(block, v)
+    nb = -(-v // block)
+    x_bv = logits_bv.astype(jnp.float32)
+    p_bv = jnp.exp(x_bv - jnp.max(x_bv, axis=-1, keepdims=True))
+    p_bnk = jnp.pad(p_bv, ((0, 0), (0, nb * block - v))).reshape(b, nb, block)
+    sums_bn = jnp.sum(p_bnk, axis=-1)
+    cdf_bn = jnp.cumsum(sums_bn, axis=-1)
+    below = lambda total: jnp.nextafter(total, jnp.zeros_like(total))  # noqa: E731 - largest float < total
+    u_b = jnp.minimum(jax.vmap(jax.random.uniform)(keys_b) * cdf_bn[:, -1], below(cdf_bn[:, -1]))
+    block_b = jnp.sum(cdf_bn <= u_b[:, None], axis=-1)  # the first block whose CDF passes u (never an empty one)
+    start_b = jnp.take_along_axis(cdf_bn - sums_bn, block_b[:, None], axis=-1)[:, 0]
+    inner_bk = jnp.take_along_axis(p_bnk, block_b[:, None, None], axis=1)[:, 0]
+    inner_cdf_bk = jnp.cumsum(inner_bk, axis=-1)
+    rest_b = jnp.clip(u_b - start_b, 0.0, below(inner_cdf_bk[:, -1]))
+    token_b = block_b * block + jnp.sum(inner_cdf_bk <= rest_b[:, None], axis=-1)
+    return token_b.astype(jnp.int32)
+
+
 def select_tokens(
     logits_bv: jax.Array,
     keys_b: jax.Array,
@@ -113,7 +141,7 @@ def select_tokens(
         )
         if min_p_b is not None:
             filtered_bv = jax.lax.cond(jnp.any(min_p_b > 0), apply_min_p, lambda x, _: x, filtered_bv, min_p_b)
-        return jax.vmap(jax.random.categorical)(keys_b, filtered_bv).astype(jnp.int32)
+        return sample_categorical(keys_b, filtered_bv)
 
     sampled_b = jax.lax.cond(jnp.any(temperature_b > 0), sample, lambda: greedy_b)
     return jnp.where(temperature_b > 0, sampled_b, greedy_b)
