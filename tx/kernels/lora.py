@@ -43,7 +43,7 @@ def make_routing(group_n: jax.Array, num_groups: int) -> Routing:
     return Routing(sort_n, unsort_n, sizes_g)
 
 
-ONE_HOT_MAX_SLOTS = 64  # decode (one token per row) applies every slot's A and B to every row up to this many slots
+ONE_HOT_MAX_SLOTS = 64  # decode rows (one token) apply every slot's A and B up to this many slots
 
 
 def _one_hot_slots(t: int, slots: int) -> bool:
