@@ -236,8 +236,8 @@ class PreparedSampleBatch(_Strict):
     )
     request_tenants: list[str] = Field(
         default_factory=list, description="per request, who sent it (aligned with request_batch_slices): the "
-        "prefix-cache partition of its rows. [] or '': rows on weights tenants share (the base model, sampler "
-        "checkpoints) never reuse KV pages of other requests"
+        "prefix-cache partition of its rows, and the unit of the paged engine's fair admission. [] or '': rows on "
+        "weights tenants share (the base model, sampler checkpoints) never reuse KV pages of other requests"
     )
 
 

@@ -189,3 +189,25 @@ def test_sigterm_on_process_zero_shuts_every_host_down(tiny_dirs, tmp_path):
                     p.kill()
     assert rc0 == 143 and rc1 == 0, (rc0, rc1, log1.read_text()[-2000:])
     assert time.monotonic() - start < 60
+
+
+AGREE = """
+import sys, jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+from tx.models.sharding import min_over_processes
+print("AGREED", min_over_processes(int(sys.argv[3])))
+"""
+
+
+def test_processes_with_different_values_agree_on_the_smallest():
+    """The default KV pool is sized by each host's memory; `min_over_processes` makes every host use the
+    smallest: process 0 offers 1005 and process 1 offers 1004, and both must get 1004."""
+    coordinator = f"127.0.0.1:{_ports()}"
+    procs = [subprocess.Popen([sys.executable, "-c", AGREE, coordinator, str(i), str(1005 - i)], env=_env(1),
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    agreed = [int(line.split()[1]) for out in outs for line in out.splitlines() if line.startswith("AGREED")]
+    assert agreed == [1004, 1004], outs

@@ -21,12 +21,13 @@ def _weights(rng, g, i, r, o):
     )
 
 
-@pytest.mark.parametrize("t", [7, 1])  # per-row gathers; one token per row: the one-hot over slots
-def test_rows_matches_reference_and_gradients(t):
+# per-row gathers; one token per row and rows >= slots: the one-hot over slots; one token, rows < slots
+@pytest.mark.parametrize("b, t", [(5, 7), (7, 1), (5, 1)])
+def test_rows_matches_reference_and_gradients(b, t):
     rng = np.random.default_rng(0)
-    b, i, r, o, g = 5, 12, 4, 9, 6
+    i, r, o, g = 12, 4, 9, 6
     x = jnp.asarray(rng.standard_normal((b, t, i)), jnp.float32)
-    adapter_b = jnp.asarray([3, 0, 3, 5, 1])
+    adapter_b = jnp.asarray([3, 0, 3, 5, 1, 0, 3][:b])
     a, bb, s = _weights(rng, g, i, r, o)
     got = lora_delta_rows(x, adapter_b, a, bb, s)
     group_n = jnp.repeat(adapter_b, t)
@@ -120,7 +121,7 @@ def test_bf16_input_keeps_the_lora_path_in_float32():
     rng = np.random.default_rng(4)
     b, t, i, r, o, g = 4, 6, 32, 8, 40, 3
     _bf16_check(rng, b, t, i, r, o, g)
-    _bf16_check(rng, b, 1, i, r, o, g)  # decode: the one-hot path
+    _bf16_check(rng, b, 1, i, r, o, g)  # decode, rows >= slots: the one-hot path
 
 
 def _bf16_check(rng, b, t, i, r, o, g):

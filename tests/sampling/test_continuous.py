@@ -106,6 +106,28 @@ def test_weights_changing_under_a_running_request_finish_it_first(backend):
     assert [s.tokens for s in changed.sequences] != [s.tokens for s in want["on_a"].sequences]
 
 
+def test_a_tenant_with_many_queued_requests_shares_the_slots(backend):
+    """Tenant A queues 6 requests of 4 rows, then tenant B one (16 slots): B is admitted next to A's first
+    requests instead of behind all of A's, and every request samples what it samples alone."""
+    params = SP(max_tokens=12, temperature=1.0, seed=5, stop=[])
+    flood = [(f"a{i}", "", [(PROMPTS[i % 3], params)] * 4, False, 0) for i in range(6)]
+    small = ("b", "", [(PROMPTS[1], params)] * 4, False, 0)
+    want = alone(backend, flood + [small])
+    batch_a, batch_b = sample_batch(flood), sample_batch([small])
+    batch_a.request_tenants, batch_b.request_tenants = ["A"] * len(flood), ["B"]
+    assert backend.sample_submit(batch_a) == {} and backend.sample_submit(batch_b) == {}
+    step_of, out, k = {}, {}, 0
+    while backend.sampling_active:
+        for request_id, result in backend.sample_step().items():
+            out[request_id], step_of[request_id] = result, k
+        k += 1
+    for request_id in want:
+        same(want[request_id], out[request_id])
+    # 16 slots: a0..a2 and b decode together; a3 (before b in arrival order) waits for a slot
+    assert step_of["b"] < step_of["a3"], step_of
+    assert step_of["b"] <= min(step_of[f"a{i}"] for i in range(3)) + 1, step_of
+
+
 def test_programs_stay_bounded_over_200_random_requests(tiny_dirs):
     """200 requests with random prompt lengths, max_tokens, num_samples, stop lists and sampling parameters,
     submitted in random groups between steps (the service's way): at most 12 compiled programs."""

@@ -6,8 +6,9 @@ in float32, and the rank-r intermediate stays float32 (as PEFT does; it is rank-
 - `lora_delta_rows`: every batch row belongs to one adapter (training, prefill, decode). Each row's A
   and B are gathered (`[b, in, R]`, tiny next to the `[b, t, in]` activations) and applied with a batched
   matmul. FLOPs are `b * t * in * R * 2`, independent of how many adapters the batch mixes and of how
-  many slots exist; no token permutation, and rows stay on their fsdp shard. Decode rows (one token) skip
-  the gathers, which cost more than their FLOPs there: a one-hot over slots applies every slot's factors.
+  many slots exist; no token permutation, and rows stay on their fsdp shard. Decode rows (one token, at
+  least as many rows as slots) skip the gathers, which cost more than their FLOPs there: a one-hot over
+  slots applies every slot's factors.
 - `add_lora_head_delta`: the same product for an output as wide as the vocabulary, where a per-row B
   (`[b, R, vocab]`) or a separate delta would cost as much memory as the logits. `x A` is per row; B is
   applied for all slots at once through a one-hot over (slot, rank), added in place into the base logits
@@ -43,11 +44,10 @@ def make_routing(group_n: jax.Array, num_groups: int) -> Routing:
     return Routing(sort_n, unsort_n, sizes_g)
 
 
-ONE_HOT_MAX_SLOTS = 64  # decode rows (one token) apply every slot's A and B up to this many slots
-
-
-def _one_hot_slots(t: int, slots: int) -> bool:
-    return t == 1 and slots <= ONE_HOT_MAX_SLOTS
+def _one_hot_slots(b: int, t: int, slots: int) -> bool:
+    """Whether rows apply every slot's factors (`_slot_rank_activations`): at one token per row and at least
+    as many rows as slots, where copying all slots' A costs no more than gathering every row's."""
+    return t == 1 and slots <= b
 
 
 def _rank_activations(x_bti: jax.Array, adapter_b: jax.Array, lora_a_air: jax.Array) -> jax.Array:
@@ -73,12 +73,12 @@ def lora_delta_rows(
 ) -> jax.Array:
     """`scale[a_b] * (x_b A[a_b]) B[a_b]` for every row b; float32 [b, t, o].
 
-    Rows of one token (decode, up to ONE_HOT_MAX_SLOTS slots) apply every slot's factors through a one-hot
+    Rows of one token (decode), at least as many as slots, apply every slot's factors through a one-hot
     over slots (`_slot_rank_activations`, then B viewed as `[A*R, o]`), which copies no weights; longer
     rows gather their own A and B (rank-sized per row, FLOPs independent of the slot count)."""
     b, t, _ = x_bti.shape
     slots, rank, out = lora_b_aro.shape
-    if _one_hot_slots(t, slots):
+    if _one_hot_slots(b, t, slots):
         h_btq = _slot_rank_activations(x_bti, adapter_b, lora_a_air, scale_a)
         return jnp.einsum("btq,qo->bto", h_btq, lora_b_aro.astype(jnp.float32).reshape(slots * rank, out))
     h_btr = _rank_activations(x_bti, adapter_b, lora_a_air)
@@ -109,7 +109,7 @@ def add_lora_head_delta(
     in place, `block` columns at a time (`_add_low_rank`), so no `[b, t, o]` delta exists either."""
     b, t, out = logits_bto.shape
     num_slots, rank, _ = lora_b_aro.shape
-    if _one_hot_slots(t, num_slots):  # decode: one dot over every slot's B; the delta is the logits' size
+    if _one_hot_slots(b, t, num_slots):  # decode: one dot over every slot's B; the delta is the logits' size
         h_nq = _slot_rank_activations(x_bti, adapter_b, lora_a_air, scale_a).reshape(b * t, num_slots * rank)
         delta_no = jnp.dot(h_nq, lora_b_aro.astype(jnp.float32).reshape(num_slots * rank, out))
         return logits_bto.astype(jnp.float32) + delta_no.reshape(b, t, out)

@@ -122,3 +122,13 @@ def to_host(x: jax.Array) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def min_over_processes(value: int) -> int:
+    """The smallest of every process's `value`, on every process (a collective: each process calls it at the
+    same point of the program); `value` itself in a one-process run. For sizes every host must agree on."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    return int(np.min(multihost_utils.process_allgather(np.asarray([value], np.int32))))

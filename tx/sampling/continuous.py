@@ -19,10 +19,13 @@ between device calls (`tx.sampling.paged_calls` packs them into the device calls
   goes back to the front of the queue with prompt + its tokens so far as its new prompt. A resumed row
   samples exactly the tokens it would have (its keys depend only on its seed and token count). The pool
   always holds one longest prompt beside one longest row, so the oldest row always progresses.
-- **Admission.** Requests are admitted in order, as many per iteration as the free slots can take rows
-  of (so a batch of distinct prompts prefills together, up to `prefill_rows` chunks per call), and at
-  least one ahead of the slots (so a prompt is ready when a slot frees), each only while the free pages
-  cover it and the live rows' next call.
+- **Admission.** Preempted rows first (oldest first); then, request by request, the earliest request of
+  the tenant whose rows hold the fewest slots and admitted places, so a tenant with many queued requests
+  shares the slots with one that sends a few instead of making it wait behind all of them (one tenant
+  alone, or in-process use: arrival order). As many per iteration as the free slots can take rows of (so
+  a batch of distinct prompts prefills together, up to `prefill_rows` chunks per call), and at least one
+  ahead of the slots (so a prompt is ready when a slot frees), each only while the free pages cover it
+  and the live rows' next call.
 - **Determinism.** Decisions depend only on the rows and the configuration (no clocks, no `hash()`), so
   every host of a multi-host run makes the same ones. A row's tokens depend only on its seed and its own
   position in the generated sequence: alone, in a full batch, joining later or resumed after preemption,
@@ -90,6 +93,7 @@ class _Group:
     cached: int | None = None  # prompt tokens read from the prefix cache when first admitted
     live: int = 0  # rows holding a slot
     resumed: bool = False
+    tenant: str = ""  # who sent it (fair admission)
 
     @property
     def prefix(self) -> int:
@@ -135,11 +139,14 @@ class PagedEngine:
 
     def _auto_pages(self, slots: int) -> int:
         """Every slot at full length plus one longest prompt and row, within half the free device memory
-        (a quarter of the host's memory where the device does not report it, as on CPU: its total, not what
-        is free now, so every process of a multi-host run on alike hosts sizes the same pool)."""
+        (a quarter of the host's memory where the device does not report it, as on CPU). Hosts differ in
+        memory, so a multi-host run takes the smallest pool any process could hold: one pool shape, one
+        SPMD program."""
         import os
 
         import jax
+
+        from tx.models.sharding import min_over_processes
 
         want = slots * self.width + 2 * self.width + 1
         cfg = self.backend.model.config
@@ -150,7 +157,7 @@ class PagedEngine:
             budget = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) // 2
         else:
             budget = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
-        return max(2 * self.width + 1, min(want, int(budget // page_bytes)))
+        return max(2 * self.width + 1, min_over_processes(min(want, int(budget // page_bytes))))
 
     def reset(self) -> None:
         """Forget every row and page (after a failed call the pages and donated pools are in an unknown state)."""
@@ -188,7 +195,8 @@ class PagedEngine:
             g = groups.get(row.request_index)
             if g is None:
                 g = groups[row.request_index] = _Group([], row.prompt, row.adapter,
-                                                       self.backend.kv_identity(row.adapter, row.tenant))
+                                                       self.backend.kv_identity(row.adapter, row.tenant),
+                                                       tenant=row.tenant)
                 self.waiting.append(g)
             g.rows.append(item)
 
@@ -224,18 +232,29 @@ class PagedEngine:
                     self._finish(lv)
 
     def _admit_groups(self) -> None:
-        """Admit waiting requests in order while the slots can take their rows (the first one also when
-        they cannot, once every earlier request's rows hold a slot)."""
+        """Admit waiting requests (`_next_waiting` first) while the slots can take their rows (the next
+        one also when they cannot, once every admitted request's rows hold a slot)."""
         while self.waiting:
-            queued = sum(len(g.rows) for g in self.prefilling + self.ready)
-            if queued and len(self.live) + queued + len(self.waiting[0].rows) > self.slots:
+            g = self._next_waiting()
+            queued = sum(len(q.rows) for q in self.prefilling + self.ready)
+            if queued and len(self.live) + queued + len(g.rows) > self.slots:
                 return
-            if not self._admit_group(self.waiting[0]):
+            if not self._admit_group(g):
                 return
 
+    def _next_waiting(self) -> _Group:
+        """Preempted rows first, oldest first; then the earliest request of the tenant holding the fewest
+        places (rows with a slot or admitted, waiting for one)."""
+        held: dict[str, int] = {}
+        for lv in self.live:
+            held[lv.group.tenant] = held.get(lv.group.tenant, 0) + 1
+        for q in self.prefilling + self.ready:
+            held[q.tenant] = held.get(q.tenant, 0) + len(q.rows)
+        return min(self.waiting, key=lambda g: (not g.resumed, held.get(g.tenant, 0), g.rows[0].serial))
+
     def _admit_group(self, g: _Group) -> bool:
-        """Admit `g` (the first waiting request) if the pool has room for its prompt, its first row's
-        first call and the live rows' next call."""
+        """Admit waiting request `g` if the pool has room for its prompt, its first row's first call and
+        the live rows' next call."""
         pages = self.pages
         total = -(-g.prefix // self.page)
         hits = pages.lookup(g.identity, g.prompt[: g.prefix]) if self._caching(g.identity) else []
@@ -248,7 +267,8 @@ class PagedEngine:
         if g.cached is None:  # its first admission (a re-admission reads what it wrote itself)
             g.cached = 0 if g.resumed else g.prefilled
         self.stats["prefill_tokens_cached"] += g.prefilled
-        (self.prefilling if not g.ready else self.ready).append(self.waiting.pop(0))
+        self.waiting.remove(g)
+        (self.prefilling if not g.ready else self.ready).append(g)
         if g.ready:
             self._publish(g.identity, g.prompt[: g.prefix], g.pages)
         return True
@@ -338,7 +358,7 @@ class PagedEngine:
         self._publish(identity, self._written(lv), lv.table)
         self._leave(lv)
         prompt = np.concatenate([lv.row.spec.prompt, np.asarray(lv.row.result.tokens, np.int32)]).astype(np.int32)
-        g = _Group([lv.row], prompt, lv.group.adapter, identity, resumed=True)
+        g = _Group([lv.row], prompt, lv.group.adapter, identity, resumed=True, tenant=lv.group.tenant)
         # resumed rows go first, oldest first
         at = sum(1 for w in self.waiting if w.resumed and w.rows[0].serial < lv.row.serial)
         self.waiting.insert(at, g)
