@@ -78,19 +78,27 @@ def test_a_resent_conversation_reads_its_first_turn_from_the_cache(server):
 
 
 def test_training_runs_while_a_long_sampling_job_is_in_flight(server):
+    """forward_backward and optim_step sent while 16 rows sample 600 tokens each complete before the rows
+    have sampled everything (told by the engine's decode-token count, not by the clock)."""
     service = sdk_flows.service(server.url)
     sampler = service.create_sampling_client(base_model="tiny").result()
     tc = service.create_lora_training_client(base_model="tiny", rank=8, seed=4).result()
     data = sdk_flows.datums(4)
-    tc.forward_backward(data, "cross_entropy").result()  # compiled before timing
-    long = sampler.sample(T.ModelInput.from_ints(list(range(5, 25))), 8,
-                          T.SamplingParams(max_tokens=600, seed=3, stop=[]))
-    time.sleep(0.5)
+    tc.forward_backward(data, "cross_entropy").result()  # compiled before the sampling job starts
+
+    def metrics():
+        return server.get("/api/v1/metrics").json()
+
+    steps, before = metrics()["engine"].get("sample_steps", 0), metrics()["backend_sampling"]["decode_tokens"]
+    rows, length = 16, 600
+    long = sampler.sample(T.ModelInput.from_ints(list(range(5, 25))), rows,
+                          T.SamplingParams(max_tokens=length, seed=3, stop=[]))
+    while metrics()["engine"].get("sample_steps", 0) < steps + 2:  # the job is decoding
+        time.sleep(0.01)
     tc.forward_backward(data, "cross_entropy").result()
     tc.optim_step(T.AdamParams(learning_rate=1e-3)).result()
-    trained = time.perf_counter()
+    sampled = metrics()["backend_sampling"]["decode_tokens"] - before
     out = long.result()
-    done = time.perf_counter()
-    assert [len(s.tokens) for s in out.sequences] == [600] * 8
-    assert done - trained > 0.5, "training waited for the whole sampling job"
+    assert [len(s.tokens) for s in out.sequences] == [length] * rows
+    assert sampled < rows * length, "training waited for the whole sampling job"
     assert isinstance(out, tinker.SampleResponse)

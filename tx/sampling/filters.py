@@ -129,7 +129,7 @@ def select_tokens(
 ) -> jax.Array:
     """Next token per row: argmax where temperature == 0, else a sample of the filtered distribution.
     `logits_bv` are the logits to choose from (already penalized, if a penalty applies). A batch of greedy
-    rows skips the sampling work (filters and a vocab-wide Gumbel draw per row)."""
+    rows skips the sampling work (filters and the draw)."""
     greedy_b = first_argmax(logits_bv)
 
     def sample() -> jax.Array:
