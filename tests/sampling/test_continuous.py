@@ -22,16 +22,22 @@ def backend(tiny_dirs):
     return b
 
 
-def drive(backend, batches):
-    """Submit `batches[k]` before the k-th step (None: submit nothing); step until idle; results by id."""
-    out = {}
-    for k, batch in enumerate(batches):
-        if batch is not None:
+def drive_steps(backend, batches):
+    """Submit `batches[k]` (a batch, a list of batches or None) before the k-th step; step until idle.
+    Results by id, and the step each request finished in."""
+    out, step_of, k = {}, {}, 0
+    while k < len(batches) or backend.sampling_active:
+        submit = batches[k] if k < len(batches) else None
+        for batch in submit if isinstance(submit, list) else [] if submit is None else [submit]:
             assert backend.sample_submit(batch) == {}
-        out |= backend.sample_step()
-    while backend.sampling_active:
-        out |= backend.sample_step()
-    return out
+        for request_id, result in backend.sample_step().items():
+            out[request_id], step_of[request_id] = result, k
+        k += 1
+    return out, step_of
+
+
+def drive(backend, batches):
+    return drive_steps(backend, batches)[0]
 
 
 def alone(backend, requests):
@@ -50,19 +56,8 @@ def test_requests_joining_a_running_batch_sample_what_they_sample_alone(backend)
     short = ("short", "", [(PROMPTS[0], SP(max_tokens=8, temperature=1.0, seed=4, stop=[]))] * 2, False, 0)
     later = ("later", "a", [(PROMPTS[1], SP(max_tokens=20, temperature=0.7, top_p=0.9, seed=1))], False, 0)
     want = alone(backend, [long, short, later])
-    steps_of = {}
-    out = {}
-    for k, batch in enumerate([sample_batch([long]), None, None, sample_batch([short]), None,
-                               sample_batch([later])]):
-        if batch is not None:
-            assert backend.sample_submit(batch) == {}
-        for request_id, result in backend.sample_step().items():
-            out[request_id], steps_of[request_id] = result, k
-    k = 6
-    while backend.sampling_active:
-        for request_id, result in backend.sample_step().items():
-            out[request_id], steps_of[request_id] = result, k
-        k += 1
+    out, steps_of = drive_steps(backend, [sample_batch([long]), None, None, sample_batch([short]), None,
+                                          sample_batch([later])])
     for request_id in want:
         same(want[request_id], out[request_id])
     # the short request joined at step 3 and left long before the long one ended: 8 tokens = 2 calls of 4
@@ -115,12 +110,7 @@ def test_a_tenant_with_many_queued_requests_shares_the_slots(backend):
     want = alone(backend, flood + [small])
     batch_a, batch_b = sample_batch(flood), sample_batch([small])
     batch_a.request_tenants, batch_b.request_tenants = ["A"] * len(flood), ["B"]
-    assert backend.sample_submit(batch_a) == {} and backend.sample_submit(batch_b) == {}
-    step_of, out, k = {}, {}, 0
-    while backend.sampling_active:
-        for request_id, result in backend.sample_step().items():
-            out[request_id], step_of[request_id] = result, k
-        k += 1
+    out, step_of = drive_steps(backend, [[batch_a, batch_b]])
     for request_id in want:
         same(want[request_id], out[request_id])
     # 16 slots: a0..a2 and b decode together; a3 (before b in arrival order) waits for a slot
