@@ -14,7 +14,7 @@ Prints one JSON line per (framework, workload) and a ratio line per workload.
 request uniformly in [16, 256]; tx with each `--engine` (paged: shared prompt prefill, continuous batching;
 static: padded batches) and transformers + PEFT `generate(num_return_sequences=...)` per prompt. Each tx
 engine runs the workload twice and reports the second (warm) run. Reports generated tokens/s, prefill
-tokens computed and peak KV-cache bytes.
+tokens computed, peak KV-cache bytes and the process's peak RSS during the timed run.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import add_model_args, random_model
+from common import PeakRSS, add_model_args, random_model
 
 RANK = 8
 
@@ -198,9 +198,10 @@ def rl_workload(model_dir: Path, params: int, args, engines: list[str]) -> None:
         token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
         backend.sample(warm)  # compile
         before = dict(backend.metrics.sampling)
-        start = time.perf_counter()
-        out = backend.sample(batch)
-        elapsed = time.perf_counter() - start
+        with PeakRSS() as rss:
+            start = time.perf_counter()
+            out = backend.sample(batch)
+            elapsed = time.perf_counter() - start
         assert sum(len(s.tokens) for o in out.values() for s in o.sequences) == generated
         extra = {}
         if engine == "paged":
@@ -217,7 +218,7 @@ def rl_workload(model_dir: Path, params: int, args, engines: list[str]) -> None:
             kv_bytes = bucket_rows(n * k, 1) * (bucket_length(plen) + bucket_length(max(max_tokens))) * token_bytes
         rows[engine] = {"framework": f"tx-{engine}", "workload": "sample_rl", "shapes": shapes,
                         "tokens_per_s": round(generated / elapsed, 1), "total_s": round(elapsed, 3),
-                        "prefill_tokens_computed": prefill, "peak_kv_bytes": kv_bytes,
+                        "prefill_tokens_computed": prefill, "peak_kv_bytes": kv_bytes, "peak_rss_bytes": rss.peak,
                         "compiles": sum(v for key, v in backend.metrics.compiles.items() if key.startswith("sample")),
                         "device": jax.devices()[0].device_kind, **extra}
         print(json.dumps(rows[engine]), flush=True)
@@ -231,17 +232,18 @@ def rl_workload(model_dir: Path, params: int, args, engines: list[str]) -> None:
         model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=32, target_modules=[
             "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"])).eval()
         torch.manual_seed(0)
-        start = time.perf_counter()
-        with torch.no_grad():
+        with PeakRSS() as rss, torch.no_grad():
+            start = time.perf_counter()
             for p, m in zip(prompts, max_tokens):
                 ids = torch.tensor([p])
                 model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=m, min_new_tokens=m,
                                do_sample=True, num_return_sequences=k, pad_token_id=0, use_cache=True)
-        elapsed = time.perf_counter() - start
+            elapsed = time.perf_counter() - start
         rows["peer"] = {"framework": "transformers+peft", "workload": "sample_rl", "shapes": shapes,
                         "tokens_per_s": round(generated / elapsed, 1), "total_s": round(elapsed, 3),
                         "prefill_tokens_computed": n * k * plen,
-                        "peak_kv_bytes": k * (plen + args.rl_max_tokens[1]) * token_bytes, "device": "cpu"}
+                        "peak_kv_bytes": k * (plen + args.rl_max_tokens[1]) * token_bytes, "peak_rss_bytes": rss.peak,
+                        "device": "cpu"}
         print(json.dumps(rows["peer"]), flush=True)
     if "paged" in rows:
         ratios = {f"tokens_per_s_paged_over_{o}": round(rows["paged"]["tokens_per_s"] / rows[o]["tokens_per_s"], 3)
