@@ -5,7 +5,10 @@ A loss is a JAX function of one datum (row):
     loss_fn(target_logprobs[t], inputs: {"weights", "logprobs", "advantages", "sequence_ratio_mask"} -> [t],
             config: {key: scalar}) -> [t]
 
-returning the per-token loss. A loss registered with `multi_target=True` also takes 2-D `[t, K]` targets
+returning the per-token loss. A loss may also read per-token float inputs of its own, declared with
+`input_keys` (e.g. a reference policy's log-probs for a KL term): they reach `inputs` under those names
+(zeros where a datum leaves them out), travel as `loss_fn_inputs` of that name through the API and as
+`all_extra_inputs` in-process, and a datum that sends a key its loss does not declare is refused. A loss registered with `multi_target=True` also takes 2-D `[t, K]` targets
 (K target tokens per position, e.g. top-k distillation): it then sees `target_logprobs` and `weights` as
 `[t, K]` and may return `[t, K]`, which is summed over K. Other losses see column 0 only (the server refuses
 2-D targets for them). One row is one datum, so a sequence-level reduction inside a loss (gspo) is a
@@ -24,7 +27,7 @@ host must compile the same program):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,23 +42,29 @@ class LossSpec:
     fn: LossFn
     config_defaults: Mapping[str, float]
     multi_target: bool = False
+    input_keys: tuple[str, ...] = ()  # extra per-token float inputs it reads
 
 
 _REGISTRY: dict[str, LossSpec] = {}
 
 
 def register(name: str, fn: LossFn | None = None, *, config_defaults: Mapping[str, float] | None = None,
-             replace: bool = False, multi_target: bool = False):
+             replace: bool = False, multi_target: bool = False, input_keys: Sequence[str] = ()):
     """Register `fn` under `name` (use as `@register("name")` or `register("name", fn)`).
 
     `config_defaults` lists every `loss_fn_config` key the loss accepts, with its default; requests with
     other keys are rejected. `multi_target` says the loss accepts 2-D `[t, K]` targets (see the module
-    docstring). Re-registering a name raises unless `replace=True`."""
+    docstring). `input_keys` names the extra per-token float inputs the loss reads. Re-registering a name
+    raises unless `replace=True`."""
+    for key in input_keys:
+        if not key.isidentifier() or key in INPUT_KEYS or key == "target_tokens":
+            raise ValueError(f"loss {name!r}: input key {key!r} must be an identifier other than "
+                             f"target_tokens and {', '.join(INPUT_KEYS)}")
 
     def add(f: LossFn) -> LossFn:
         if name in _REGISTRY and not replace:
             raise ValueError(f"loss {name!r} is already registered (pass replace=True to override)")
-        _REGISTRY[name] = LossSpec(name, f, dict(config_defaults or {}), multi_target)
+        _REGISTRY[name] = LossSpec(name, f, dict(config_defaults or {}), multi_target, tuple(input_keys))
         return f
 
     return add(fn) if fn is not None else add
@@ -73,6 +82,11 @@ def names() -> tuple[str, ...]:
 
 def config_keys() -> tuple[str, ...]:
     return tuple(sorted({k for spec in _REGISTRY.values() for k in spec.config_defaults}))
+
+
+def extra_input_keys() -> tuple[str, ...]:
+    """Every extra per-token input key some registered loss reads (the device batch carries each)."""
+    return tuple(sorted({k for spec in _REGISTRY.values() for k in spec.input_keys}))
 
 
 def resolve_config(name: str, config: Mapping[str, float] | None) -> dict[str, float]:
@@ -96,14 +110,15 @@ def per_token_losses(
     """Each row's own loss (`loss_names[loss_index_b[b]]`, config row `config_bk[b]` over `keys`), [b, t].
 
     `target_logprobs_btk` and `inputs_bt["weights"]` carry K target columns ([b, t, K]; 1-D rows use
-    column 0 and weigh the others 0; [b, t] means K = 1); every other input is [b, t] (missing = zeros).
+    column 0 and weigh the others 0; [b, t] means K = 1); every other input, extra keys included, is
+    [b, t] (missing = zeros).
 
     Every loss is evaluated on every row, but rows that do not use it see all-zero inputs, so a loss
     that is not selected can never put inf / NaN into the gradient of a row that does not use it."""
     if target_logprobs_btk.ndim == 2:  # one target per position
         target_logprobs_btk = target_logprobs_btk[..., None]
     b_t = target_logprobs_btk.shape[:2]
-    inputs_bt = {k: jnp.zeros(b_t, target_logprobs_btk.dtype) for k in INPUT_KEYS} | dict(inputs_bt)
+    inputs_bt = {k: jnp.zeros(b_t, target_logprobs_btk.dtype) for k in INPUT_KEYS + extra_input_keys()} | dict(inputs_bt)
     if inputs_bt["weights"].ndim == 2:
         inputs_bt["weights"] = inputs_bt["weights"][..., None]
     total_bt = jnp.zeros(b_t, target_logprobs_btk.dtype)

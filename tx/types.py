@@ -116,6 +116,9 @@ class PreparedModelPassBatch(_Strict):
         None, description="packed datums: per token, which example it belongs to (attention stays within an "
         "example, positions restart at each); None = one example per datum"
     )
+    all_extra_inputs: dict[str, list[list[float]]] | None = Field(
+        None, description="extra per-token loss inputs by key (the keys a loss declares with `input_keys`), "
+        "one [n] list per datum ([] = zeros); None = none")
 
     @model_validator(mode="after")
     def _same_lengths(self) -> PreparedModelPassBatch:
@@ -129,6 +132,9 @@ class PreparedModelPassBatch(_Strict):
         for name in fields:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries, all_input_ids has {n}")
+        for key, values in (self.all_extra_inputs or {}).items():
+            if len(values) != n:
+                raise ValueError(f"all_extra_inputs[{key!r}] has {len(values)} entries, all_input_ids has {n}")
         for request_id, _, start, end in self.request_batch_slices:
             if not 0 <= start <= end <= n:
                 raise ValueError(f"request {request_id}: slice [{start}, {end}) outside the batch of {n} datums")

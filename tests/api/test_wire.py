@@ -167,3 +167,24 @@ def test_sample_response_carries_prompt_cache_hit_tokens():
     _, data = wire.encode_sample(out)
     msg = pb.SampleResponse.FromString(data)
     assert msg.prompt_cache_hit_tokens == 12 and len(msg.sequences) == 1
+
+
+@tx.losses.register("test_wire_extra", input_keys=("ref_logprobs",), replace=True)
+def _wire_extra(tlp, inputs, config):
+    return (tlp - inputs["ref_logprobs"]) ** 2
+
+
+def test_extra_loss_inputs_of_registered_losses_are_decoded():
+    """A loss_fn_inputs key that a registered loss declares reaches the datum as a float list; a key no loss
+    declares is not decoded (it stays out of the backend, as before)."""
+    msg = pb.ForwardBackwardRequest.FromString(body("m", 1))
+    msg.loss_fn = "test_wire_extra"
+    datum = msg.data[0]
+    ref = np.asarray([-1.5, -2.0, -0.25, -3.0], np.float32)
+    datum.loss_fn_inputs["ref_logprobs"].CopyFrom(pb.Tensor(dense=ref.tobytes(), dtype=pb.DTYPE_FLOAT32, shape=[4]))
+    datum.loss_fn_inputs["not_a_loss_input"].CopyFrom(pb.Tensor(dense=ref.tobytes(), dtype=pb.DTYPE_FLOAT32, shape=[4]))
+    decoded = wire.pass_request(msg).datums[0]
+    assert decoded.extra_inputs == {"ref_logprobs": ref.astype(np.float64).tolist()}
+    datum.loss_fn_inputs["ref_logprobs"].CopyFrom(pb.Tensor(dense=ref[:3].tobytes(), dtype=pb.DTYPE_FLOAT32, shape=[3]))
+    with pytest.raises(wire.UserError, match=r"loss_fn_inputs\['ref_logprobs'\]"):
+        wire.pass_request(msg)

@@ -206,6 +206,39 @@ def test_custom_loss_trains_and_matches_numpy(tiny_dirs):
     assert out.metrics["loss:sum"] < 0.7 * first
 
 
+@tx.losses.register("test_pull_to_ref", config_defaults={"scale": 1.0}, input_keys=("ref_logprobs",))
+def pull_to_ref(tlp, inputs, config):
+    """A custom loss with an extra per-token input: scale * weights * (tlp - ref_logprobs)^2."""
+    return config["scale"] * inputs["weights"] * (tlp - inputs["ref_logprobs"]) ** 2
+
+
+def test_extra_loss_inputs_reach_the_loss_and_are_checked(tiny_dirs):
+    backend = new_backend(tiny_dirs)
+    datums = random_datums(12, [9, 4])
+    rng = np.random.default_rng(3)
+    ref = [rng.uniform(-8, -4, len(d["input_ids"])).tolist() for d in datums]
+    out = backend.forward_backward(make_batch([("r", "a", datums, "test_pull_to_ref", {"scale": 0.5})],
+                                              all_extra_inputs={"ref_logprobs": ref}))["r"]
+    for output, r in zip(out.loss_fn_outputs, ref):
+        tlp = output["logprobs"].to_numpy().astype(np.float64)
+        np.testing.assert_allclose(output["elementwise_loss"].to_numpy(), 0.5 * (tlp - np.asarray(r)) ** 2, rtol=1e-5)
+    left_out = backend.forward(make_batch([("r", "a", datums, "test_pull_to_ref", None)]))["r"]
+    tlp = left_out.loss_fn_outputs[0]["logprobs"].to_numpy().astype(np.float64)
+    np.testing.assert_allclose(left_out.loss_fn_outputs[0]["elementwise_loss"].to_numpy(), tlp ** 2, rtol=1e-5)
+
+    weights_b = slot_weights(backend, "b")
+    bad = backend.forward_backward(make_batch(
+        [("ce", "b", datums, "cross_entropy", None), ("nan", "b", datums, "test_pull_to_ref", None)],
+        all_extra_inputs={"ref_logprobs": [ref[0], [], [], [0.0, float("nan"), 0.0, 0.0]]}))
+    assert "loss_fn_inputs key 'ref_logprobs' is not read by loss 'cross_entropy'" in bad["ce"].error
+    assert "ref_logprobs[1] = nan is not finite" in bad["nan"].error
+    assert not any(np.any(g) for g in backend.grad_sum_of("b").values())
+    for k, v in slot_weights(backend, "b").items():
+        assert np.array_equal(weights_b[k], v)
+    with pytest.raises(ValueError, match="must be an identifier other than"):
+        tx.losses.register("test_bad_key", lambda t, i, c: t, input_keys=("advantages",))
+
+
 BAD = {
     "unknown model_id": (("unknown", "cross_entropy", None), {}, "unknown model_id 'unknown'"),
     "unknown loss": (("a", "nope", None), {}, "unknown loss function 'nope'"),

@@ -12,7 +12,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
-from tx import types
+from tx import losses, types
 from tx.engine.ops import Datum, PassRequest, UserError
 
 PROTO = "application/x-protobuf"
@@ -128,8 +128,9 @@ def pass_request(msg: pb.ForwardBackwardRequest) -> PassRequest:
     for i, datum in enumerate(msg.data):
         where = f"data[{i}]"
         ids = _tokens(datum, where)
+        extra_keys = losses.extra_input_keys()  # per-token inputs of registered losses (e.g. reference log-probs)
         inputs = {k: _tensor(t, f"{where}.loss_fn_inputs[{k!r}]", len(ids), k in _TWO_D_KEYS)
-                  for k, t in datum.loss_fn_inputs.items() if k in _INPUT_KEYS}
+                  for k, t in datum.loss_fn_inputs.items() if k in _INPUT_KEYS or k in extra_keys}
         if "target_tokens" not in inputs:
             raise UserError(f"{where}.loss_fn_inputs: 'target_tokens' is required")
         targets = inputs["target_tokens"]
@@ -147,7 +148,8 @@ def pass_request(msg: pb.ForwardBackwardRequest) -> PassRequest:
             weights=inputs["weights"].astype(np.float64).tolist() if "weights" in inputs else empty,
             logprobs=inputs["logprobs"].astype(np.float64).tolist() if "logprobs" in inputs else empty,
             advantages=inputs["advantages"].astype(np.float64).tolist() if "advantages" in inputs else empty,
-            ratio_mask=mask.astype(np.float64).tolist() if mask is not None else empty))
+            ratio_mask=mask.astype(np.float64).tolist() if mask is not None else empty,
+            extra_inputs={k: inputs[k].astype(np.float64).tolist() for k in extra_keys if k in inputs}))
     if not datums:
         raise UserError("data: a forward/forward_backward request needs at least one datum")
     return PassRequest(datums=datums, loss_fn=msg.loss_fn, loss_fn_config=config or None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -31,6 +31,7 @@ class Row:
     loss_index: int
     config: np.ndarray  # float32 [len(losses.config_keys())]
     segment_ids: np.ndarray  # int32 [n]
+    extra: dict[str, np.ndarray] = field(default_factory=dict)  # float32 [n] per extra input key of its loss
 
 
 def bucket_length(n: int, minimum: int = 16) -> int:
@@ -165,6 +166,19 @@ def _weights(values, shape: tuple[int, ...], datum: int) -> np.ndarray:
     return _float_field("weights", arr.reshape(-1).tolist(), arr.size, datum).reshape(shape)
 
 
+def _extra_inputs(extra_inputs: dict[str, list[list[float]]], i: int, spec: losses.LossSpec, n: int,
+                  datum: int) -> dict[str, np.ndarray]:
+    """The extra per-token inputs datum `i` sends, each finite in float32 and [n]; a key its loss does not
+    read is refused (it would be silently ignored otherwise)."""
+    for key, values in extra_inputs.items():
+        if len(values[i]) and key not in spec.input_keys:
+            reads = ", ".join(spec.input_keys) or "no extra inputs"
+            raise ValueError(f"datum {datum}: loss_fn_inputs key {key!r} is not read by loss {spec.name!r} "
+                             f"(it reads {reads})")
+    return {key: _float_field(key, extra_inputs[key][i] if key in extra_inputs else [], n, datum)
+            for key in spec.input_keys}
+
+
 def validate(
     batch: types.PreparedModelPassBatch,
     adapter_of: Callable[[str], int],
@@ -174,6 +188,7 @@ def validate(
     """Rows of the valid requests, and an error message per invalid request (by slice index)."""
     loss_names, keys = losses.names(), losses.config_keys()
     masks = batch.all_ratio_masks
+    extra_inputs = batch.all_extra_inputs or {}
     rows: list[Row] = []
     errors: dict[int, str] = {}
     for r, (_, _, start, end) in enumerate(batch.request_batch_slices):
@@ -185,7 +200,7 @@ def validate(
                 model_id, ids = batch.all_model_ids[i], batch.all_input_ids[i]
                 adapter = adapter_of(model_id)
                 loss = batch.all_loss_fns[i]
-                losses.get(loss)
+                spec = losses.get(loss)
                 config = losses.resolve_config(loss, batch.all_loss_fn_configs[i])
                 for key, value in config.items():
                     types.float32_value(f"loss_fn_config[{key!r}]", value)
@@ -214,6 +229,7 @@ def validate(
                         loss_index=loss_names.index(loss),
                         config=np.asarray([config.get(k, 0.0) for k in keys], np.float32),
                         segment_ids=segments,
+                        extra=_extra_inputs(extra_inputs, i, spec, n, i - start),
                     )
                 )
         except (KeyError, ValueError) as e:
@@ -223,10 +239,12 @@ def validate(
     return rows, errors
 
 
-def pack(rows: list[Row], num_rows: int, seq_len: int, num_keys: int) -> dict[str, np.ndarray]:
+def pack(rows: list[Row], num_rows: int, seq_len: int, num_keys: int,
+         extra_keys: Sequence[str] = ()) -> dict[str, np.ndarray]:
     """Right-padded arrays; padding rows use adapter 0 and zero everything (they add exactly nothing).
     Targets and weights are [rows, seq_len, K], K the most target columns of any row (1-D rows fill
-    column 0; the other columns weigh 0)."""
+    column 0; the other columns weigh 0). Each of `extra_keys` is a [rows, seq_len] float32 array (zeros
+    in rows whose loss does not read it)."""
     k = max((r.targets.shape[1] for r in rows if r.targets.ndim == 2), default=1)
     out = {
         "input_ids": np.zeros((num_rows, seq_len), np.int32),
@@ -241,7 +259,7 @@ def pack(rows: list[Row], num_rows: int, seq_len: int, num_keys: int) -> dict[st
         "config": np.zeros((num_rows, num_keys), np.float32),
         "segment_ids": np.zeros((num_rows, seq_len), np.int32),
         "positions": np.zeros((num_rows, seq_len), np.int32),
-    }
+    } | {key: np.zeros((num_rows, seq_len), np.float32) for key in extra_keys}
     for b, row in enumerate(rows):
         n = len(row.input_ids)
         out["input_ids"][b, :n] = row.input_ids
@@ -252,6 +270,8 @@ def pack(rows: list[Row], num_rows: int, seq_len: int, num_keys: int) -> dict[st
         out["sequence_ratio_mask"][b, :n] = row.ratio_mask
         out["logprobs"][b, :n] = row.logprobs
         out["advantages"][b, :n] = row.advantages
+        for key, values in row.extra.items():
+            out[key][b, :n] = values
         out["adapter"][b] = row.adapter
         out["loss_index"][b] = row.loss_index
         out["config"][b] = row.config

@@ -241,9 +241,10 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
             return results
         name = "forward_backward" if with_grad else "forward"
         graphdef, lora, frozen = self._split_trainable()
+        extra_keys = losses.extra_input_keys()
         fns = {
-            mode: self._fn((mode, losses.names(), losses.config_keys()), lambda mode=mode: make_model_pass(
-                graphdef, self.config.loss_chunk_size, mode, self._counted(name), self._grad_dtype))
+            mode: self._fn((mode, losses.names(), losses.config_keys(), extra_keys), lambda mode=mode: make_model_pass(
+                graphdef, self.config.loss_chunk_size, mode, self._counted(name), self._grad_dtype, extra_keys))
             for mode in (("grads", "accumulate") if with_grad else ("forward",))
         }
         fsdp = self.mesh.shape["fsdp"]
@@ -254,7 +255,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
             chunk = [rows[i] for i in idx]
             num_rows, seq_len = batching.micro_batch_shape(
                 [len(r.input_ids) for r in chunk], fsdp, self.config.train_micro_batch_size)
-            arrays = batching.pack(chunk, num_rows, seq_len, len(losses.config_keys()))
+            arrays = batching.pack(chunk, num_rows, seq_len, len(losses.config_keys()), extra_keys)
             self._count_tokens(name, sum(len(r.input_ids) for r in chunk), num_rows * seq_len)
             device_batch = {
                 k: put_global(v, NamedSharding(self.mesh, batch_spec(v.ndim))) for k, v in arrays.items()

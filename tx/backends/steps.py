@@ -44,6 +44,7 @@ def make_model_pass(
     mode: str,
     on_trace: Callable[[], None],
     grad_dtype: Any = None,
+    extra_keys: tuple[str, ...] = (),
 ) -> Callable:
     """The jitted pass of one micro-batch, by `mode` (gradients cast to `grad_dtype` when given):
 
@@ -51,6 +52,7 @@ def make_model_pass(
     - "grads":      `(lora, frozen, batch) -> (grads, tlp, loss)`: the first micro-batch of a call
     - "accumulate": `(lora, frozen, acc, batch) -> (acc + grads, tlp, loss)`, `acc` donated
 
+    `extra_keys` are the extra per-token loss inputs the batch carries (`losses.extra_input_keys()`).
     None of them reads the gradient sums: a call accumulates into its own temporary and the backend
     commits it with `commit_grads` once every micro-batch has succeeded (all-or-nothing per call)."""
     loss_names, keys = losses.names(), losses.config_keys()
@@ -62,7 +64,7 @@ def make_model_pass(
                            positions_bt=batch["positions"], segment_ids_bt=batch["segment_ids"])
         # targets [b, t, K]: the extra cost of K > 1 is a gather of K values per position of each chunk
         tlp_bt = model.target_logprobs(hidden_btd, batch["targets"], adapter_b, chunk_size=chunk_size)
-        inputs = {k: batch[k] for k in losses.INPUT_KEYS}
+        inputs = {k: batch[k] for k in losses.INPUT_KEYS + extra_keys}
         loss_bt = losses.per_token_losses(tlp_bt, inputs, batch["loss_index"], batch["config"], loss_names, keys)
         loss_bt = jnp.where(batch["attention_mask"] > 0, loss_bt, 0.0)
         return jnp.sum(loss_bt), (tlp_bt, loss_bt)

@@ -271,6 +271,9 @@ class Engine(SamplingMixin, SingleOpsMixin):
                 batch["all_loss_fns"].append(op.payload.loss_fn)
                 batch["all_loss_fn_configs"].append(op.payload.loss_fn_config)
             slices.append((op.request_id, op.model_id, start, len(batch["all_input_ids"])))
+        datums = [d for op in ops for d in op.payload.datums]
+        extra_keys = sorted({k for d in datums for k in d.extra_inputs})
+        batch["all_extra_inputs"] = {k: [d.extra_inputs.get(k, []) for d in datums] for k in extra_keys} or None
         tenants = len({op.model_id for op in ops})
         self.count(f"{kind}_calls")
         if tenants > 1:

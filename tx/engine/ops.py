@@ -30,6 +30,7 @@ class Datum:
     logprobs: list[float]
     advantages: list[float]
     ratio_mask: list[float] = field(default_factory=list)  # sequence_ratio_mask; [] = zeros
+    extra_inputs: dict[str, list[float]] = field(default_factory=dict)  # keys a registered loss declares
 
 
 @dataclass
