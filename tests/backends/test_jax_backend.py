@@ -239,6 +239,23 @@ def test_extra_loss_inputs_reach_the_loss_and_are_checked(tiny_dirs):
         tx.losses.register("test_bad_key", lambda t, i, c: t, input_keys=("advantages",))
 
 
+def test_forward_of_the_base_model_matches_transformers(tiny_dirs):
+    """model id "" in forward reads slot 0, the base model (an RL reference policy); it cannot be trained."""
+    backend = new_backend(tiny_dirs)
+    step(backend, "a", random_datums(13, [6]), learning_rate=5e-2)  # "a" differs from the base now
+    datums = random_datums(14, [7, 3])
+    out = backend.forward(make_batch([("base", "", datums, "cross_entropy", None),
+                                      ("a", "a", datums, "cross_entropy", None)]))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dirs["dense"], dtype=torch.float32)
+    for datum, base, tuned in zip(datums, out["base"].loss_fn_outputs, out["a"].loss_fn_outputs):
+        ids = np.array([datum["input_ids"]])
+        want = hf_logprobs(hf, ids, np.ones_like(ids), np.array([datum["targets"]]))[0]
+        np.testing.assert_allclose(base["logprobs"].to_numpy(), want, atol=1e-4)
+        assert np.abs(tuned["logprobs"].to_numpy() - want).max() > 1e-3
+    refused = backend.forward_backward(make_batch([("base", "", datums, "cross_entropy", None)]))["base"]
+    assert "unknown model_id ''" in refused.error
+
+
 BAD = {
     "unknown model_id": (("unknown", "cross_entropy", None), {}, "unknown model_id 'unknown'"),
     "unknown loss": (("a", "nope", None), {}, "unknown loss function 'nope'"),

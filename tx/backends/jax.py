@@ -233,7 +233,9 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         """All-or-nothing per call: gradients go into a temporary; if any micro-batch raises, the sums and
         counters are untouched. A request whose outputs are not finite fails, and so do the other requests
         of its model in this call (their gradients are mixed in the same slot): that slot is not committed."""
-        rows, errors = batching.validate(batch, self._slot, self.model.config.vocab_size, self.max_seq_len)
+        # forward may read the base model (model id "", slot 0: e.g. an RL reference policy); it is never trained
+        slot_of = self._slot if with_grad else self._sample_slot
+        rows, errors = batching.validate(batch, slot_of, self.model.config.vocab_size, self.max_seq_len)
         results: dict[str, types.ForwardBackwardOutput | types.ErrorResponse] = {}
         for r, message in errors.items():
             results[batch.request_batch_slices[r][0]] = types.ErrorResponse(error=message)
