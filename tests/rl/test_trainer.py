@@ -1,0 +1,184 @@
+"""tx.rl trainer: the bundled example learns its reward, KL to the base model is 0 before the first update,
+the device loss equals numpy on the seed's formulas, resume equals the uninterrupted run, multi-turn
+episodes keep sampled tokens (and their forward log-probs) apart from observation tokens, and config
+errors name the field."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from pydantic import ValidationError
+
+import tx.rl
+from tests.helpers import make_batch
+from tx.rl.__main__ import load_config, main
+from tx.rl.config import RLConfig
+from tx.rl.trainer import RLTrainer, training_loss
+
+ROOT = Path(__file__).parents[2]
+EXAMPLE = ROOT / "examples/rl_tiny.yaml"
+
+
+def example(tmp_path, generator=None, **trainer) -> RLConfig:
+    values = yaml.safe_load(EXAMPLE.read_text())
+    values["data"] = {k: [str(ROOT / p) for p in v] for k, v in values["data"].items()}
+    values["trainer"] |= {"ckpt_path": str(tmp_path / "ckpts"), "export_path": str(tmp_path / "exports"), **trainer}
+    values["generator"] |= generator or {}
+    values["tx"] = {"metrics_file": str(tmp_path / "metrics.jsonl")}
+    return RLConfig.model_validate(values)
+
+
+def test_example_learns_its_reward_and_kl_starts_at_zero(tmp_path, capsys):
+    assert main(["--config", str(EXAMPLE), f"trainer.ckpt_path={tmp_path}/ck", f"trainer.export_path={tmp_path}/ex",
+                 f"tx.metrics_file={tmp_path}/m.jsonl", "trainer.epochs=2"]) == 0
+    records = [yaml.safe_load(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward/avg_raw_reward" in r]
+    assert len(steps) == 16
+    assert steps[0]["reward/avg_raw_reward"] < 0.3, steps[0]
+    assert max(r["reward/avg_raw_reward"] for r in steps[-4:]) >= 0.8, [r["reward/avg_raw_reward"] for r in steps]
+    assert steps[0]["policy/policy_kl"] == 0.0  # B = 0 before the first update: the policy is the base model
+    assert steps[-1]["policy/policy_kl"] > 0.0
+    evals = [r for r in records if "eval/all/avg_score" in r]
+    assert evals[0]["step"] == 0 and evals[-1]["eval/all/avg_score"] > evals[0]["eval/all/avg_score"]
+    assert (tmp_path / "ck/global_step_16/policy").is_dir() and (tmp_path / "ck/latest_ckpt_global_step.txt").read_text() == "16"
+    assert (tmp_path / "ex/global_step_16/policy/adapter_model.safetensors").exists()
+
+
+@pytest.mark.parametrize("policy, kl", [("regular", "k3"), ("dual_clip", "k1"), ("cispo", "k2"), ("gspo", "abs")])
+def test_training_loss_equals_numpy(tiny_dirs, policy, kl):
+    """forward's elementwise loss = weights * policy loss + coef * kl_weights * kl, each from the seed's formula
+    in numpy on the log-probs forward returns."""
+    backend = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(max_lora_adapters=2, max_lora_rank=4, max_seq_len=32))
+    backend.create_model("p", tx.types.LoraConfig(rank=4))
+    name = training_loss(policy, kl)
+    rng = np.random.default_rng(0)
+    lengths = [9, 5]
+    datums, extra = [], {k: [] for k in ("ref_logprobs", "kl_weights", "rl_mask", "rl_selected")}
+    for n in lengths:
+        seq = rng.integers(0, 512, n + 1)
+        mask = (rng.uniform(size=n) < 0.8).astype(float)
+        datums.append({"input_ids": seq[:-1].tolist(), "targets": seq[1:].tolist(),
+                       "weights": (mask * rng.uniform(0.1, 1, n)).tolist(), "logprobs": rng.uniform(-8, -4, n).tolist(),
+                       "advantages": rng.normal(size=n).tolist()})
+        extra["ref_logprobs"].append(rng.uniform(-8, -4, n).tolist())
+        extra["kl_weights"].append((mask * 0.05).tolist())
+        extra["rl_mask"].append(mask.tolist())
+        extra["rl_selected"].append([0.0] * n)
+    params = {"eps_clip_low": 0.2, "eps_clip_high": 0.28, "clip_ratio_c": 3.0, "cispo_eps_clip_low": 0.0,
+              "cispo_eps_clip_high": 5.0}
+    config = {k: v for k, v in params.items() if k in tx.losses.get(name).config_defaults} | {"kl_loss_coef": 0.3}
+    out = backend.forward(make_batch([("r", "p", datums, name, config)], all_extra_inputs=extra))["r"]
+    for i, (d, o) in enumerate(zip(datums, out.loss_fn_outputs)):
+        lp = o["logprobs"].to_numpy().astype(np.float64)
+        old, adv, w = (np.asarray(d[k]) for k in ("logprobs", "advantages", "weights"))
+        ref, klw, m = (np.asarray(extra[k][i]) for k in ("ref_logprobs", "kl_weights", "rl_mask"))
+        ratio = np.exp(lp - old)
+        lo, hi = 1 - params["eps_clip_low"], 1 + params["eps_clip_high"]
+        if policy == "gspo":
+            seq = np.exp((m * (lp - old)).sum() / max(m.sum(), 1))
+            ratio = np.full_like(lp, min(seq, np.exp(10)))
+        if policy == "cispo":
+            pg = -adv * np.clip(ratio, 1 - params["cispo_eps_clip_low"], 1 + params["cispo_eps_clip_high"]) * lp
+        else:
+            pg = np.maximum(-adv * ratio, -adv * np.clip(ratio, lo, hi))
+            if policy == "dual_clip":
+                pg = np.where(adv < 0, np.minimum(-adv * params["clip_ratio_c"], pg), pg)
+        d_ = ref - lp
+        kl_t = {"k1": lp - ref, "k2": 0.5 * (lp - ref) ** 2, "abs": np.abs(lp - ref),
+                "k3": np.clip(np.exp(np.clip(d_, -20, 20)) - np.clip(d_, -20, 20) - 1, -10, 10)}[kl]
+        want = w * pg + 0.3 * klw * kl_t
+        np.testing.assert_allclose(o["elementwise_loss"].to_numpy(), want, rtol=2e-5, atol=1e-6)
+
+
+def test_resume_equals_the_uninterrupted_run(tmp_path):
+    straight = RLTrainer(example(tmp_path / "a", epochs=1, ckpt_interval=2, eval_before_train=False, eval_interval=-1))
+    straight.fit()
+    first = RLTrainer(example(tmp_path / "b", epochs=1, ckpt_interval=2, eval_before_train=False, eval_interval=-1))
+    assert first.fit(stop_after=4) == {"interrupted_at": 4}
+    resumed = RLTrainer(example(tmp_path / "b", epochs=1, ckpt_interval=2, eval_before_train=False, eval_interval=-1,
+                                resume_mode="latest"))
+    resumed.fit()
+    assert resumed.global_step == straight.global_step == 8
+    a = [yaml.safe_load(x) for x in (tmp_path / "a/metrics.jsonl").read_text().splitlines()]
+    b = [yaml.safe_load(x) for x in (tmp_path / "b/metrics.jsonl").read_text().splitlines()]
+    for ra, rb in zip([r for r in a if "step" in r and "summary" not in r], [r for r in b if "step" in r and "summary" not in r]):
+        assert ra["step"] == rb["step"]
+        assert ra["reward/avg_raw_reward"] == pytest.approx(rb["reward/avg_raw_reward"], abs=1e-6)
+        assert ra["policy/grad_norm"] == pytest.approx(rb["policy/grad_norm"], rel=1e-4)
+
+
+@tx.rl.register_env("test_count_turns", replace=True)
+class CountTurns(tx.rl.Env):
+    """Answers every turn with 'again' until the third, then rewards 1."""
+
+    def init(self, prompt, extras):
+        self.turn = 0
+        return prompt
+
+    def step(self, action):
+        self.turn += 1
+        if self.turn == 3:
+            return tx.rl.StepOutput(reward=1.0, done=True)
+        return tx.rl.StepOutput(observations=[{"role": "user", "content": "again"}], reward=0.25, done=False)
+
+
+def test_multi_turn_episodes_keep_sampled_and_observation_tokens_apart(tmp_path):
+    from tx.rl.rollout import rollout
+
+    trainer = RLTrainer(example(tmp_path, {"max_turns": 5, "max_input_length": 200}, eval_before_train=False,
+                                eval_interval=-1))
+    rows = trainer.train_rows[:2]
+    for row in rows:
+        row.env_class = "test_count_turns"
+    params = trainer.rollout_params["train"]
+    trajectories = rollout(trainer.backend, trainer.chat, "policy", rows, params, trainer.pool, (0, 0))
+    assert len(trajectories) == 2 * params.n_samples
+    tokenizer = trainer.chat.tokenizer
+    for tr in trajectories:
+        assert tr.turn_rewards == [0.25, 0.25, 1.0] and tr.reward == 1.5
+        mask = np.asarray(tr.loss_mask)
+        observed = tokenizer.decode([t for t, m in zip(tr.response_ids, mask) if not m])
+        assert observed.count("again") == 2 and observed.count("<|im_start|>assistant") == 2
+        assert np.all(np.asarray(tr.logprobs)[mask == 0] == 0.0)
+        assert all(mask[p] == 1 for p in tr.reward_positions)
+        # sampled tokens' log-probs are forward's under the same weights
+        full = tr.prompt_ids + tr.response_ids
+        out = trainer.backend.forward(make_batch([("r", "policy", [{"input_ids": full[:-1], "targets": full[1:]}],
+                                                   "cross_entropy", None)]))["r"]
+        lp = out.loss_fn_outputs[0]["logprobs"].to_numpy()[len(tr.prompt_ids) - 1:]
+        np.testing.assert_allclose(lp[mask == 1], np.asarray(tr.logprobs)[mask == 1], atol=1e-4)
+
+
+@pytest.mark.parametrize("override, says", [
+    ({"trainer": {"placement": {"colocate_all": True}}}, "trainer.placement: not applicable to tx (Ray GPU placement"),
+    ({"generator": {"inference_engine": {"backend": "vllm"}}}, "generator.inference_engine: not applicable to tx"),
+    ({"trainer": {"critic": {"model": {"path": "x"}}}}, "trainer.critic: not applicable to tx"),
+    ({"trainer": {"algorithm": {"advantage_estimator": "gae"}}}, "'gae' needs a critic"),
+    ({"trainer": {"algorithm": {"advantage_estimator": "nope"}}}, "advantage_estimator='nope' is not registered"),
+    ({"trainer": {"algorithm": {"policy_loss_type": "nope"}}}, "policy_loss_type='nope' is not registered"),
+    ({"trainer": {"algorithm": {"use_kl_in_reward": True}}}, "mutually exclusive"),
+    ({"trainer": {"train_batch_size": 6, "policy_mini_batch_size": 4}}, "train_batch_size=6 must be a multiple"),
+    ({"trainer": {"max_ckpts_to_keep": 0}}, "max_ckpts_to_keep=0"),
+    ({"trainer": {"algorithm": {"kl_estimator_type": "k4"}}}, "kl_estimator_type"),
+    ({"generator": {"sampling_params": {"temperature": 0.7}}}, "temperature=0.7"),
+    ({"trainer": {"typo_field": 1}}, "typo_field"),
+])
+def test_config_errors_name_the_field(override, says):
+    values = {"trainer": {"logger": "console"}}
+    for section, fields in override.items():
+        values.setdefault(section, {}).update(fields)
+    with pytest.raises(ValidationError, match=None) as err:
+        RLConfig.model_validate(values)
+    assert says in str(err.value), str(err.value)
+
+
+def test_seed_post_init_rules_and_overrides():
+    cfg = load_config(None, ["trainer.logger=console", "trainer.max_prompt_length=100",
+                             "generator.sampling_params.max_generate_length=50"])
+    assert cfg.generator.max_input_length == 100
+    assert cfg.trainer.algorithm.max_seq_len == 150
+    assert cfg.trainer.algorithm.temperature == 1.0
+    assert cfg.generator.eval_sampling_params.temperature == 0.0
+    assert cfg.generator.eval_sampling_params.max_generate_length == 50
+    assert cfg.trainer.train_batch_size == 1024 and cfg.generator.n_samples_per_prompt == 5  # the seed's defaults

@@ -1,0 +1,319 @@
+"""RLConfig: the seed's SkyRLTrainConfig names and nesting, for every field that applies to tx.
+
+Defaults are the seed's. Unknown keys are errors naming the dotted path; fields that only steer Ray
+placement, Megatron, PyTorch FSDP, vLLM engines or critic/reference placement are refused with the reason
+(`NOT_APPLICABLE`), since a config that sets them expects an effect tx cannot give. Settings the seed has
+no name for live under `tx:` (e.g. `tx.metrics_file`, `tx.max_num_seqs`).
+
+The seed's post-init rules hold: `generator.max_input_length` defaults to `trainer.max_prompt_length`,
+`trainer.algorithm.temperature` to the sampling temperature, `trainer.algorithm.max_seq_len` to
+`max_input_length + max_generate_length`, and `generator.eval_sampling_params` to greedy sampling with the
+training `max_generate_length`. Batch sizes count prompts (`train_batch_size`, `policy_mini_batch_size`,
+`eval_batch_size`) or sequences (`micro_train_batch_size_per_gpu`), as in SkyRL.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tx.sft.seed_config import OptimizerConfig, SkyRLLoraConfig
+
+
+class _Seed(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+# dotted path -> why tx refuses it (the field only makes sense for a Ray / PyTorch / vLLM deployment)
+NOT_APPLICABLE = {
+    "trainer.placement": "Ray GPU placement: tx is one SPMD program; sampling and training share every device",
+    "trainer.sequence_parallel_backend": "PyTorch Ulysses sequence parallelism: tx shards over its own mesh",
+    "trainer.strategy": "chooses a PyTorch engine (fsdp / fsdp2 / megatron); tx has one JAX engine",
+    "trainer.policy.fsdp_config": "PyTorch FSDP wrapping: tx shards over its (fsdp, ep, tp) mesh",
+    "trainer.policy.megatron_config": "Megatron parallelism: tx shards over its (fsdp, ep, tp) mesh",
+    "trainer.policy.sequence_parallel_size": "Ulysses sequence parallelism: tx shards over its own mesh",
+    "trainer.policy.use_torch_compile": "tx is always jit-compiled",
+    "trainer.policy.record_memory": "CUDA memory snapshots (use benchmarks/bench_memory.py)",
+    "trainer.policy.model_config_kwargs": "tx reads the model config from the checkpoint",
+    "trainer.policy.model.lora.lora_sync_path": "weight sync to vLLM: tx samples the very arrays it trains",
+    "trainer.policy.optimizer_config.offload_after_step": "optimizer CPU offload between colocated Ray workers",
+    "trainer.ref": "the reference policy of a LoRA run is the base model itself (adapter slot 0): no second "
+                   "model, no placement",
+    "trainer.critic": "critic placement and a separate critic model: tx.rl has no critic (advantage_estimator "
+                      "'gae' is refused)",
+    "trainer.critic_mini_batch_size": "tx.rl has no critic",
+    "trainer.fully_async": "SkyRL's fully-async trainer: tx.rl runs sampling and training in one program, in turn",
+    "trainer.gradient_checkpointing_use_reentrant": "a PyTorch checkpointing option",
+    "trainer.flash_attn": "tx picks its own attention kernel",
+    "trainer.log_path": "Ray infrastructure logs",
+    "trainer.rope_scaling": "tx reads RoPE settings from the checkpoint",
+    "trainer.rope_theta": "tx reads RoPE settings from the checkpoint",
+    "trainer.bf16": "tx keeps the checkpoint's dtype for the base and float32 for LoRA weights and log-probs",
+    "trainer.use_sample_packing": "tx packs rows by length under its token budget itself",
+    "trainer.micro_forward_batch_size_per_gpu": "tx needs no separate no-grad pass for the old log-probs: its "
+                                                "sampler's log-probs are forward's",
+    "trainer.update_ref_every_epoch": "the reference is the base model (slot 0) and is never updated",
+    "trainer.dump_data_batch": "PyTorch pickles of the training batch",
+    "generator.inference_engine": "vLLM engine settings: tx samples in-process with its own paged engine",
+    "generator.batched": "vLLM offline batching: tx's sampler always batches",
+    "generator.rope_scaling": "tx reads RoPE settings from the checkpoint",
+    "generator.rope_theta": "tx reads RoPE settings from the checkpoint",
+    "generator.step_wise_trajectories": "tx trains each trajectory as one sequence",
+    "generator.use_conversation_multi_turn": "tx always keeps each turn a separate chat message",
+    "generator.append_eos_token_after_stop_str_in_multi_turn": "tx keeps the sampled tokens as they are",
+    "generator.chat_template": "tx uses the tokenizer's chat template (chat_template_kwargs still apply)",
+}
+
+
+class ModelConfig(_Seed):
+    path: str | None = Field("Qwen/Qwen2.5-1.5B-Instruct", description="HF directory or hub id; 'tiny' = built-in")
+    lora: SkyRLLoraConfig = SkyRLLoraConfig()
+
+
+class PolicyConfig(_Seed):
+    model: ModelConfig = ModelConfig()
+    optimizer_config: OptimizerConfig = OptimizerConfig()
+
+
+class KLCtrlConfig(_Seed):
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_target: float = Field(0.1, gt=0)
+    horizon: int = Field(10000, gt=0)
+
+
+class OffPolicyCorrectionConfig(_Seed):
+    tis_ratio_type: Literal["token", "sequence"] | None = None
+    token_tis_ratio_clip_high: float = Field(2.0, gt=0)
+    sequence_tis_ratio_clip_high: float = Field(5.0, gt=0)
+    sequence_mask_metric: Literal["product", "geometric"] | None = None
+    geo_mask_high: float = 1.01
+    geo_mask_low: float = 0.99
+    product_mask_high: float = 2.0
+    product_mask_low: float = 0.5
+    outlier_token_is_threshold_low: float | None = None
+    outlier_token_is_threshold_high: float | None = None
+    token_mask_is_threshold_low: float | None = None
+    token_mask_is_threshold_high: float | None = None
+
+
+class SAPOConfig(_Seed):
+    tau_pos: float = Field(1.0, gt=0)
+    tau_neg: float = Field(1.05, gt=0)
+
+
+class DynamicSamplingConfig(_Seed):
+    type: Literal["filter", "replace"] | None = None
+    max_sample_batches: int = 30
+    min_replace_ratio: float = Field(0.3, ge=0, le=1)
+
+
+class ClipCovConfig(_Seed):
+    clip_ratio: float = Field(0.0002, ge=0, le=1)
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+
+
+class KLCovConfig(_Seed):
+    kl_cov_frac: float = Field(0.2, ge=0, le=1)
+    ppo_kl_coef: float = 1.0
+
+
+class CISPOConfig(_Seed):
+    cispo_eps_clip_low: float = Field(0.0, ge=0)
+    cispo_eps_clip_high: float = Field(5.0, ge=0)
+
+
+class AlgorithmConfig(_Seed):
+    advantage_estimator: str = "grpo"
+    kl_ctrl: KLCtrlConfig = KLCtrlConfig()
+    kl_estimator_type: Literal["k1", "k2", "k3", "abs"] = "k3"
+    use_kl_in_reward: bool = False
+    use_kl_loss: bool = True
+    kl_loss_coef: float = Field(0.001, ge=0)
+    use_entropy_loss: bool = False
+    entropy_loss_coef: float = Field(0.01, ge=0)
+    temperature: float | None = Field(None, gt=0)
+    advantage_batch_normalize: bool = False
+    value_head_prefix: str = "value_head"
+    policy_loss_type: str = "regular"
+    loss_reduction: Literal["token_mean", "sequence_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    grpo_norm_by_std: bool = True
+    zero_variance_filter: bool = False
+    lambd: float = 1.0
+    gamma: float = 1.0
+    eps_clip_low: float = Field(0.2, ge=0)
+    eps_clip_high: float = Field(0.2, ge=0)
+    clip_ratio_c: float = Field(3.0, gt=1)
+    tis_imp_ratio_cap: float = -1.0
+    use_tis: bool = False
+    off_policy_correction: OffPolicyCorrectionConfig = OffPolicyCorrectionConfig()
+    sapo: SAPOConfig = SAPOConfig()
+    value_clip: float = 0.2
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
+    clip_cov: ClipCovConfig = ClipCovConfig()
+    kl_cov: KLCovConfig = KLCovConfig()
+    cispo: CISPOConfig = CISPOConfig()
+    max_seq_len: int | None = Field(None, ge=1)
+
+
+class TrainerConfig(_Seed):
+    policy: PolicyConfig = PolicyConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    gradient_checkpointing: bool = True
+    seed: int = 42
+    resume_mode: Literal["none", "latest", "from_path"] | None = "latest"
+    resume_path: str | None = None
+    ckpt_path: str = "~/ckpts/"
+    max_ckpts_to_keep: int = -1
+    ckpt_interval: int = 10
+    hf_save_interval: int = -1
+    export_path: str = "~/exports/"
+    epochs: int = Field(1, ge=1)
+    update_epochs_per_batch: int = Field(1, ge=1)
+    train_batch_size: int = Field(1024, ge=1)
+    policy_mini_batch_size: int = Field(256, ge=1)
+    micro_train_batch_size_per_gpu: int = Field(1, ge=1)
+    eval_batch_size: int = Field(1024, ge=1)
+    eval_before_train: bool = True
+    eval_interval: int = 5
+    max_prompt_length: int = Field(512, ge=1)
+    disable_fast_tokenizer: bool = False
+    project_name: str = "skyrl"
+    run_name: str = "test_run"
+    logger: Literal["wandb", "console"] = "wandb"
+    dump_eval_results: bool = True
+
+
+class SamplingParams(_Seed):
+    max_generate_length: int = Field(1024, ge=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    logprobs: int | None = Field(1, ge=0, le=1)
+    stop: list[str] | None = None
+    additional_kwargs: dict[str, Any] | None = None
+
+
+class GeneratorConfig(_Seed):
+    n_samples_per_prompt: int = Field(5, ge=1)
+    max_turns: int = Field(1, ge=1)
+    max_input_length: int | None = Field(None, ge=1)
+    chat_template_kwargs: dict[str, Any] = {}
+    sampling_params: SamplingParams = SamplingParams()
+    eval_sampling_params: SamplingParams | None = None
+    eval_n_samples_per_prompt: int = Field(1, ge=1)
+    zero_reward_on_non_stop: bool = False
+    apply_overlong_filtering: bool = False
+
+
+class EnvironmentConfig(_Seed):
+    env_class: str = "gsm8k"
+    imports: list[str] = Field([], description="tx: modules that register user envs / policy losses / "
+                               "advantage estimators (imported on every host)")
+    skyrl_gym: dict[str, Any] = Field({}, description="max_env_workers, and per-env config by env class name")
+
+
+class DataConfig(_Seed):
+    train_data: list[str] = ["~/data/gsm8k/train.parquet"]
+    val_data: list[str] = ["~/data/gsm8k/validation.parquet"]
+
+
+class TxSettings(_Seed):
+    """Settings the seed has no name for."""
+
+    metrics_file: str | None = Field(None, description="metrics as JSON lines, one per step / eval")
+    max_lora_adapters: int | None = Field(None, ge=2, description="default: runs + 1")
+    micro_batch_tokens: int | None = Field(None, ge=0, description="padded tokens per training jit call "
+                                           "(default: the backend's)")
+    max_num_seqs: int | None = Field(None, ge=1, description="decode slots of the sampling engine")
+    loss_chunk_size: int = Field(1024, ge=1)
+
+
+class RLConfig(_Seed):
+    data: DataConfig = DataConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    generator: GeneratorConfig = GeneratorConfig()
+    environment: EnvironmentConfig = EnvironmentConfig()
+    tx: TxSettings = TxSettings()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_not_applicable(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            for path, reason in NOT_APPLICABLE.items():
+                node: Any = values
+                for part in path.split("."):
+                    node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
+                if node is not _MISSING:
+                    raise ValueError(f"{path}: not applicable to tx ({reason}); remove it")
+        return values
+
+    @model_validator(mode="after")
+    def _post_init(self) -> RLConfig:
+        t, g, a = self.trainer, self.generator, self.trainer.algorithm
+        # the seed's post-init rules
+        if g.max_input_length is None:
+            g.max_input_length = t.max_prompt_length
+        if a.temperature is None:
+            a.temperature = g.sampling_params.temperature or 1.0
+        if a.max_seq_len is None:
+            a.max_seq_len = g.max_input_length + g.sampling_params.max_generate_length
+        if g.eval_sampling_params is None:
+            g.eval_sampling_params = SamplingParams(temperature=0.0,
+                                                    max_generate_length=g.sampling_params.max_generate_length)
+        self._check()
+        return self
+
+    def _check(self) -> None:
+        from tx.rl import algorithms
+
+        t, g, a = self.trainer, self.generator, self.trainer.algorithm
+        if t.policy.model.path is None:
+            raise ValueError("trainer.policy.model.path: required (an HF directory or hub id, or 'tiny')")
+        if t.train_batch_size < t.policy_mini_batch_size or t.train_batch_size % t.policy_mini_batch_size:
+            raise ValueError(f"trainer.train_batch_size={t.train_batch_size} must be a multiple of (and at least) "
+                             f"trainer.policy_mini_batch_size={t.policy_mini_batch_size} (both count prompts)")
+        if t.max_ckpts_to_keep == 0:
+            raise ValueError("trainer.max_ckpts_to_keep=0 would delete every checkpoint; use -1 to keep all")
+        if t.resume_mode == "from_path" and not t.resume_path:
+            raise ValueError("trainer.resume_mode='from_path' needs trainer.resume_path (a global_step_N directory)")
+        if g.max_turns == 1 and g.max_input_length != t.max_prompt_length:
+            raise ValueError(f"generator.max_input_length={g.max_input_length} must equal trainer.max_prompt_length="
+                             f"{t.max_prompt_length} when generator.max_turns=1")
+        if g.max_input_length < t.max_prompt_length:
+            raise ValueError(f"generator.max_input_length={g.max_input_length} is below trainer.max_prompt_length="
+                             f"{t.max_prompt_length}")
+        if a.use_kl_loss and a.use_kl_in_reward:
+            raise ValueError("trainer.algorithm: use_kl_loss and use_kl_in_reward are mutually exclusive")
+        if a.advantage_estimator not in algorithms.advantage_estimator_names():
+            raise ValueError(f"trainer.algorithm.advantage_estimator={a.advantage_estimator!r} is not registered "
+                             f"({', '.join(algorithms.advantage_estimator_names())}; register your own in a module "
+                             "listed in environment.imports)")
+        if a.advantage_estimator == "gae":
+            raise ValueError("trainer.algorithm.advantage_estimator='gae' needs a critic (value model), which tx.rl "
+                             "does not have; use grpo, rloo or reinforce++")
+        if a.policy_loss_type not in algorithms.policy_loss_names():
+            raise ValueError(f"trainer.algorithm.policy_loss_type={a.policy_loss_type!r} is not registered "
+                             f"({', '.join(algorithms.policy_loss_names())})")
+        if a.use_entropy_loss:
+            raise ValueError("trainer.algorithm.use_entropy_loss: tx's training pass does not compute the "
+                             "full-vocabulary entropy yet; set it to false")
+        if a.temperature != 1.0:
+            raise ValueError(f"trainer.algorithm.temperature={a.temperature} (from generator.sampling_params."
+                             "temperature): tx trains on untempered log-probs; sample at temperature 1.0")
+        if a.dynamic_sampling.type is not None:
+            raise ValueError("trainer.algorithm.dynamic_sampling.type: not supported by tx.rl yet; set it to null")
+        if g.sampling_params.logprobs == 0:
+            raise ValueError("generator.sampling_params.logprobs=0: tx.rl trains on the sampler's log-probs (1)")
+        if t.logger == "wandb":
+            try:
+                import wandb  # noqa: F401
+            except ImportError:
+                raise ValueError("trainer.logger='wandb' needs the wandb package; install it or set "
+                                 "trainer.logger=console") from None
+
+
+_MISSING = object()

@@ -1,0 +1,443 @@
+"""The RL loop on the tx backend: sample with the adapter being trained, score in envs, train, repeat.
+
+One training step (SkyRL's order, seed names):
+1. `trainer.train_batch_size` prompts (a seeded permutation per epoch: step N always sees the same rows,
+   so resuming is exact), `generator.n_samples_per_prompt` episodes each, sampled with the policy's current
+   LoRA weights (no weight sync, no second engine; the sampler's log-probs are the "old" log-probs);
+2. rewards from the envs (`zero_reward_on_non_stop`, `apply_overlong_filtering`, `zero_variance_filter`);
+3. reference log-probs from the base model, adapter slot 0, in one forward (`use_kl_loss` /
+   `use_kl_in_reward`; no copy of the weights);
+4. advantages (`advantage_estimator`, `advantage_batch_normalize`), off-policy correction;
+5. `update_epochs_per_batch` passes over the batch in mini-batches of `policy_mini_batch_size` prompts:
+   one forward_backward of the policy loss (+ KL) per mini-batch, then an AdamW step.
+
+The per-token objective is one registered tx loss per (policy loss, KL estimator): `weights * policy_loss
++ kl_loss_coef * kl_weights * kl(logprobs, ref_logprobs)`, where `weights` carry the `loss_reduction`
+over the mini-batch and the TIS factors, and `kl_weights` the KL term's sequence mean (SkyRL's).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from tx import losses, types
+from tx.backends.config import JaxBackendConfig
+from tx.backends.jax import JaxBackend
+from tx.checkpoints import peft_format
+from tx.rl import algorithms
+from tx.rl.config import RLConfig
+from tx.rl.env import EnvPool, import_env_modules
+from tx.rl.rollout import ChatTokens, PromptRow, RolloutParams, Trajectory, rollout
+from tx.sft.data import load_rows
+from tx.sft.seed_config import lora_targets
+
+POLICY = "policy"  # the run's model id, and its directory under checkpoints / exports (SkyRL's layout)
+LATEST = "latest_ckpt_global_step.txt"
+EXTRA_INPUTS = ("ref_logprobs", "kl_weights", "rl_mask", "rl_selected")
+
+
+def training_loss(policy_loss_type: str, kl_estimator: str) -> str:
+    """The name of the tx loss computing `policy_loss_type` + the KL term, registered on first use."""
+    spec = algorithms.policy_loss(policy_loss_type)
+    name = f"tx.rl.{policy_loss_type}.{kl_estimator}"
+
+    def loss(tlp, inputs, config):
+        policy_inputs = {"old_logprobs": inputs["logprobs"], "advantages": inputs["advantages"],
+                         "mask": inputs["rl_mask"], "selected": inputs["rl_selected"]}
+        per_token = spec.fn(tlp, policy_inputs, {k: config[k] for k in spec.params})
+        kl = algorithms.kl_estimate(kl_estimator, tlp, inputs["ref_logprobs"])
+        return inputs["weights"] * per_token + config["kl_loss_coef"] * inputs["kl_weights"] * kl
+
+    if name not in losses.names() or losses.get(name).config_defaults != {**spec.params, "kl_loss_coef": 0.0}:
+        losses.register(name, loss, config_defaults={**spec.params, "kl_loss_coef": 0.0}, input_keys=EXTRA_INPUTS,
+                        replace=True)
+    return name
+
+
+def learning_rate(cfg: RLConfig, optimizer_step: int, total: int) -> float:
+    """The seed's schedules over optimizer steps (HF semantics): linear warmup, then constant / cosine / linear."""
+    opt = cfg.trainer.policy.optimizer_config
+    if optimizer_step < opt.num_warmup_steps:
+        return opt.lr * (optimizer_step + 1) / opt.num_warmup_steps
+    if opt.scheduler == "constant_with_warmup":
+        return opt.lr
+    progress = (optimizer_step - opt.num_warmup_steps) / max(1, total - opt.num_warmup_steps)
+    return opt.lr * (0.5 * (1 + math.cos(math.pi * progress)) if opt.scheduler == "cosine" else 1 - progress)
+
+
+def _response_arrays(trajectories: list[Trajectory]) -> dict[str, np.ndarray]:
+    """Right-padded [B, T] arrays over the response tokens: loss mask, sampler log-probs, token rewards."""
+    b, t = len(trajectories), max(1, max(len(tr.response_ids) for tr in trajectories))
+    out = {k: np.zeros((b, t), np.float64) for k in ("mask", "response", "logprobs", "rewards")}
+    for i, tr in enumerate(trajectories):
+        n = len(tr.response_ids)
+        out["mask"][i, :n] = tr.loss_mask
+        out["response"][i, :n] = 1.0
+        out["logprobs"][i, :n] = tr.logprobs
+        for pos, r in zip(tr.reward_positions, tr.turn_rewards):
+            out["rewards"][i, pos] += r
+    return out
+
+
+def _per_target(tr: Trajectory, values: np.ndarray) -> list[float]:
+    """A response-aligned row as the datum's per-target list: target p predicts token p + 1 of prompt + response."""
+    p = len(tr.prompt_ids)
+    out = np.zeros(p + len(tr.response_ids) - 1)
+    out[p - 1:] = values[: len(tr.response_ids)]
+    return out.tolist()
+
+
+class RLTrainer:
+    def __init__(self, cfg: RLConfig):
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        t, g, a = cfg.trainer, cfg.generator, cfg.trainer.algorithm
+        import_env_modules(cfg.environment.imports)
+        base = t.policy.model.path
+        if base == "tiny":
+            from tx.score import tiny_model_dir
+
+            base = str(tiny_model_dir())
+        self.base_model = base
+        lora = t.policy.model.lora
+        if lora.rank == 0:
+            raise ValueError("trainer.policy.model.lora.rank=0 (full training): tx.rl trains LoRA adapters; "
+                             "set a rank >= 1")
+        self.targets = lora_targets(lora.target_modules, lora.exclude_modules)
+        config = JaxBackendConfig(
+            max_lora_adapters=cfg.tx.max_lora_adapters or 2, max_lora_rank=lora.rank,
+            max_seq_len=a.max_seq_len, train_micro_batch_size=t.micro_train_batch_size_per_gpu,
+            gradient_checkpointing=t.gradient_checkpointing, loss_chunk_size=cfg.tx.loss_chunk_size,
+            max_num_samples=max(g.n_samples_per_prompt, g.eval_n_samples_per_prompt),
+            **({"train_micro_batch_tokens": cfg.tx.micro_batch_tokens} if cfg.tx.micro_batch_tokens is not None else {}),
+            **({"max_num_seqs": cfg.tx.max_num_seqs} if cfg.tx.max_num_seqs else {}))
+        self.backend = JaxBackend(base, config)
+        self.backend.create_model(POLICY, types.LoraConfig(rank=lora.rank, alpha=lora.alpha, seed=t.seed, **self.targets))
+        tokenizer = AutoTokenizer.from_pretrained(str(self.backend.model_dir), use_fast=not t.disable_fast_tokenizer)
+        self.chat = ChatTokens(tokenizer, g.chat_template_kwargs)
+        self.loss_name = training_loss(a.policy_loss_type, a.kl_estimator_type)
+        self.loss_params = self._policy_params()
+        self.train_rows = self._load(cfg.data.train_data)
+        self.val_rows = self._load(cfg.data.val_data) if t.eval_interval > 0 or t.eval_before_train else []
+        self.steps_per_epoch = len(self.train_rows) // t.train_batch_size
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"data.train_data holds {len(self.train_rows)} usable prompts, fewer than "
+                             f"trainer.train_batch_size={t.train_batch_size}")
+        self.total_steps = self.steps_per_epoch * t.epochs
+        self.optimizer_steps_per_step = (t.train_batch_size // t.policy_mini_batch_size) * t.update_epochs_per_batch
+        self.global_step = 0
+        self.pool = EnvPool(int(cfg.environment.skyrl_gym.get("max_env_workers", 32)))
+        env_configs = {k: v for k, v in cfg.environment.skyrl_gym.items() if isinstance(v, dict)}
+        self.rollout_params = {
+            split: RolloutParams(
+                n_samples=n, max_turns=g.max_turns, max_input_length=g.max_input_length, max_seq_len=a.max_seq_len,
+                sampling=types.SamplingParams(
+                    max_tokens=sp.max_generate_length, temperature=sp.temperature, top_p=sp.top_p,
+                    top_k=sp.top_k, min_p=sp.min_p, repetition_penalty=sp.repetition_penalty,
+                    stop=sp.stop if sp.stop else None),
+                chat_template_kwargs=g.chat_template_kwargs, env_configs=env_configs)
+            for split, sp, n in (("train", g.sampling_params, g.n_samples_per_prompt),
+                                 ("eval", g.eval_sampling_params, g.eval_n_samples_per_prompt))}
+        self.kl_ctrl = algorithms.KLController(a.kl_ctrl.type, a.kl_loss_coef, a.kl_ctrl.kl_target, a.kl_ctrl.horizon)
+        self.correction = algorithms.OffPolicyCorrection(**a.off_policy_correction.model_dump())
+        if a.use_tis and self.correction.tis_ratio_type is None:  # the seed's deprecated spelling
+            self.correction = algorithms.OffPolicyCorrection(**{**a.off_policy_correction.model_dump(),
+                                                               "tis_ratio_type": "token",
+                                                               "token_tis_ratio_clip_high": a.tis_imp_ratio_cap})
+        self._metrics_file = None
+        if cfg.tx.metrics_file:
+            Path(cfg.tx.metrics_file).parent.mkdir(parents=True, exist_ok=True)
+            self._metrics_file = open(cfg.tx.metrics_file, "a")
+        self._wandb = None
+        if t.logger == "wandb":
+            import wandb
+
+            self._wandb = wandb.init(project=t.project_name, name=t.run_name, config=cfg.model_dump())
+
+    # ---- data ----
+
+    def _policy_params(self) -> dict[str, float]:
+        a = self.cfg.trainer.algorithm
+        spec = algorithms.policy_loss(a.policy_loss_type)
+        values = {}
+        for key in spec.params:
+            node: Any = a
+            for part in algorithms.POLICY_LOSS_PARAM_FIELDS.get(key, key).split("."):
+                node = getattr(node, part, None)
+            values[key] = float(node) if node is not None else spec.params[key]
+        return values
+
+    def _load(self, sources: list[str]) -> list[PromptRow]:
+        """Rows of every source whose templated prompt fits `trainer.max_prompt_length` (others are dropped, as
+        SkyRL does)."""
+        rows, dropped = [], 0
+        for source in sources:
+            for row in load_rows(str(Path(source).expanduser()) if source.startswith("~") else source):
+                if "prompt" not in row:
+                    raise ValueError(f"{source}: every row needs a 'prompt' (a list of chat messages); got keys "
+                                     f"{sorted(row)}")
+                extras = {k: v for k, v in row.items() if k not in ("prompt", "env_class")}
+                prompt = PromptRow(list(row["prompt"]), row.get("env_class") or self.cfg.environment.env_class, extras)
+                if len(self.chat.prompt(prompt.prompt)) > self.cfg.trainer.max_prompt_length:
+                    dropped += 1
+                    continue
+                rows.append(prompt)
+        self.dropped_rows = getattr(self, "dropped_rows", 0) + dropped
+        return rows
+
+    def batch_rows(self, step: int) -> list[PromptRow]:
+        """The prompts of global step `step` (0-based): a seeded permutation per epoch, last partial batch dropped."""
+        size = self.cfg.trainer.train_batch_size
+        epoch, within = divmod(step, self.steps_per_epoch)
+        order = np.random.default_rng([self.cfg.trainer.seed, epoch]).permutation(len(self.train_rows))
+        return [self.train_rows[i] for i in order[within * size:(within + 1) * size]]
+
+    # ---- one step ----
+
+    def train_step(self) -> dict[str, Any]:
+        t, g, a = self.cfg.trainer, self.cfg.generator, self.cfg.trainer.algorithm
+        timing: dict[str, float] = {}
+        start = time.perf_counter()
+        trajectories = rollout(self.backend, self.chat, POLICY, self.batch_rows(self.global_step),
+                               self.rollout_params["train"], self.pool, (t.seed, self.global_step))
+        timing["generate"] = time.perf_counter() - start
+        record: dict[str, Any] = {"step": self.global_step + 1, **self._rollout_metrics(trajectories, "")}
+        arrays = _response_arrays(trajectories)
+        stopped = np.array([tr.stop_reason == "stop" for tr in trajectories])
+        if g.zero_reward_on_non_stop:
+            arrays["rewards"][~stopped] = 0.0
+        if g.apply_overlong_filtering:
+            arrays["mask"][~stopped] = 0.0
+        group_b = np.array([tr.group for tr in trajectories])
+        if a.zero_variance_filter:
+            keep = algorithms.zero_variance_mask(arrays["rewards"].sum(1), group_b)
+            arrays["mask"][~keep] = 0.0
+            record["filtered_zero_variance_rows"] = int((~keep).sum())
+        phase = time.perf_counter()
+        ref = np.zeros_like(arrays["logprobs"])
+        if a.use_kl_loss or a.use_kl_in_reward:
+            ref = self._reference_logprobs(trajectories)
+        timing["fwd_logprobs"] = time.perf_counter() - phase
+        old = arrays["logprobs"]  # the sampler's: forward's log-probs under the weights that sampled
+        if a.use_kl_in_reward:
+            kl_bt = np.asarray(algorithms.kl_estimate(a.kl_estimator_type, old, ref)) * arrays["mask"]
+            arrays["rewards"], current = algorithms.apply_kl_in_reward(arrays["rewards"], kl_bt, arrays["mask"],
+                                                                       self.kl_ctrl.value)
+            record |= {"loss/avg_kl": current, "loss/kl_loss_coef": self.kl_ctrl.value}
+            self.kl_ctrl.update(current, len(trajectories))
+        advantages, _ = algorithms.compute_advantages(
+            a.advantage_estimator, arrays["rewards"], arrays["response"], group_b,
+            params=algorithms.EstimatorParams(gamma=a.gamma, lambd=a.lambd, grpo_norm_by_std=a.grpo_norm_by_std))
+        if a.advantage_batch_normalize:
+            advantages = algorithms.batch_normalize_advantages(advantages, arrays["mask"])
+        tis, mask, correction = algorithms.apply_off_policy_correction(self.correction, old, old, arrays["mask"])
+        record |= {f"policy/{k}": v for k, v in correction.items()}
+        record["loss/avg_raw_advantages"] = float((advantages * mask).sum() / max(mask.sum(), 1))
+        if a.use_kl_loss or a.use_kl_in_reward:
+            kl = np.asarray(algorithms.kl_estimate(a.kl_estimator_type, old, ref), np.float64)
+            record["policy/policy_kl"] = float((kl * algorithms.sequence_mean_weights(mask)).sum())
+        phase = time.perf_counter()
+        record |= self._update(trajectories, advantages, old, ref, mask, tis)
+        timing["policy_train"] = time.perf_counter() - phase
+        self.global_step += 1
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(tr.prompt_ids) + len(tr.response_ids) for tr in trajectories)
+        record |= {f"timing/{k}": round(v, 4) for k, v in timing.items()}
+        record |= {"timing/step": round(elapsed, 4), "tokens_per_s": round(tokens / elapsed, 1)}
+        return record
+
+    def _reference_logprobs(self, trajectories: list[Trajectory]) -> np.ndarray:
+        """log p_base(response token) [B, T] from the base model (slot 0) in one forward."""
+        datums = [{"input_ids": (tr.prompt_ids + tr.response_ids)[:-1], "targets": (tr.prompt_ids + tr.response_ids)[1:]}
+                  for tr in trajectories]
+        out = self.backend.forward(_batch("", datums, "cross_entropy", None))["ref"]
+        if isinstance(out, types.ErrorResponse):
+            raise RuntimeError(f"reference forward failed: {out.error}")
+        ref = np.zeros((len(trajectories), max(1, max(len(tr.response_ids) for tr in trajectories))))
+        for i, (tr, o) in enumerate(zip(trajectories, out.loss_fn_outputs)):
+            p = len(tr.prompt_ids)
+            ref[i, :len(tr.response_ids)] = o["logprobs"].to_numpy()[p - 1:]
+        return ref
+
+    def _update(self, trajectories, advantages, old, ref, mask, tis) -> dict[str, Any]:
+        """`update_epochs_per_batch` passes of mini-batches: forward_backward, then an AdamW step each."""
+        t, a = self.cfg.trainer, self.cfg.trainer.algorithm
+        opt = t.policy.optimizer_config
+        n = self.cfg.generator.n_samples_per_prompt
+        rows_per_mini = t.policy_mini_batch_size * n
+        sums: dict[str, list[float]] = {"policy/policy_loss": [], "policy/grad_norm": [], "policy/clip_ratio": []}
+        rng = np.random.default_rng([t.seed, self.global_step, 1])
+        for epoch in range(t.update_epochs_per_batch):
+            for lo in range(0, len(trajectories), rows_per_mini):
+                idx = np.arange(lo, min(lo + rows_per_mini, len(trajectories)))
+                m = mask[idx]
+                weights = algorithms.reduction_weights(a.loss_reduction, m, a.max_seq_len) * tis[idx]
+                kl_weights = algorithms.sequence_mean_weights(m) if a.use_kl_loss else np.zeros_like(m)
+                selected = np.zeros_like(m)
+                if a.policy_loss_type in ("clip_cov", "kl_cov"):
+                    selected = algorithms.select_cov_tokens(a.policy_loss_type, old[idx], advantages[idx], m,
+                                                            self.loss_params, rng)
+                datums = []
+                for j, i in enumerate(idx):
+                    tr = trajectories[i]
+                    full = tr.prompt_ids + tr.response_ids
+                    datums.append({
+                        "input_ids": full[:-1], "targets": full[1:],
+                        "weights": _per_target(tr, weights[j]), "logprobs": _per_target(tr, old[i]),
+                        "advantages": _per_target(tr, advantages[i]),
+                        "extra": {"ref_logprobs": _per_target(tr, ref[i]), "kl_weights": _per_target(tr, kl_weights[j]),
+                                  "rl_mask": _per_target(tr, m[j]), "rl_selected": _per_target(tr, selected[j])}})
+                config = {**self.loss_params, "kl_loss_coef": a.kl_loss_coef if a.use_kl_loss else 0.0}
+                out = self.backend.forward_backward(_batch(POLICY, datums, self.loss_name, config))["ref"]
+                if isinstance(out, types.ErrorResponse):
+                    raise RuntimeError(f"forward_backward failed: {out.error}")
+                step = self.global_step * self.optimizer_steps_per_step + len(sums["policy/grad_norm"])
+                lr = learning_rate(self.cfg, step, self.total_steps * self.optimizer_steps_per_step)
+                metrics = self.backend.optim_step(POLICY, types.OptimStepInput(adam_params=types.AdamParams(
+                    learning_rate=lr, beta1=opt.adam_betas[0], beta2=opt.adam_betas[1], weight_decay=opt.weight_decay,
+                    grad_clip_norm=opt.max_grad_norm))).metrics
+                current = np.zeros_like(m)
+                for j, (i, o) in enumerate(zip(idx, out.loss_fn_outputs)):
+                    p = len(trajectories[i].prompt_ids)
+                    current[j, :len(trajectories[i].response_ids)] = o["logprobs"].to_numpy()[p - 1:]
+                sums["policy/policy_loss"].append(out.metrics["loss:sum"])
+                sums["policy/grad_norm"].append(metrics["grad_norm"])
+                sums["policy/clip_ratio"].append(algorithms.clip_fraction(
+                    a.policy_loss_type, current, old[idx], advantages[idx], m, self.loss_params))
+                sums.setdefault("policy/policy_lr", []).append(lr)
+        return {k: float(np.mean(v)) for k, v in sums.items()}
+
+    def _rollout_metrics(self, trajectories: list[Trajectory], prefix: str) -> dict[str, Any]:
+        rewards = np.array([tr.reward for tr in trajectories])
+        lengths = np.array([tr.generated_tokens() for tr in trajectories])
+        groups: dict[int, list[float]] = {}
+        for tr in trajectories:
+            groups.setdefault(tr.group, []).append(tr.reward)
+        n = max(len(v) for v in groups.values())
+        errors = sum(len(tr.env_errors) for tr in trajectories)
+        return {f"{prefix}reward/avg_raw_reward": float(rewards.mean()), f"{prefix}reward/std_raw_reward": float(rewards.std()),
+                f"{prefix}reward/avg_pass_at_{n}": float(np.mean([max(v) > 0 for v in groups.values()])),
+                f"{prefix}generate/avg_num_tokens": float(lengths.mean()),
+                f"{prefix}generate/max_num_tokens": int(lengths.max()),
+                f"{prefix}generate/stop_ratio": float(np.mean([tr.stop_reason == "stop" for tr in trajectories])),
+                **({f"{prefix}environment/errors": errors} if errors else {})}
+
+    def evaluate(self) -> dict[str, Any]:
+        """Every validation prompt, `eval_n_samples_per_prompt` episodes with `eval_sampling_params`."""
+        if not self.val_rows:
+            return {}
+        size = self.cfg.trainer.eval_batch_size
+        trajectories: list[Trajectory] = []
+        for lo in range(0, len(self.val_rows), size):
+            part = rollout(self.backend, self.chat, POLICY, self.val_rows[lo:lo + size], self.rollout_params["eval"],
+                           self.pool, (self.cfg.trainer.seed, -1, lo))
+            for tr in part:
+                tr.group += lo
+            trajectories += part
+        metrics = self._rollout_metrics(trajectories, "eval/all/")
+        metrics["eval/all/avg_score"] = metrics.pop("eval/all/reward/avg_raw_reward")
+        return {"step": self.global_step, **metrics}
+
+    # ---- checkpoints and exports ----
+
+    def save(self) -> Path:
+        t = self.cfg.trainer
+        root = Path(t.ckpt_path).expanduser()
+        step_dir = root / f"global_step_{self.global_step}"
+        self.backend.save_checkpoint(step_dir / POLICY, POLICY)
+        (step_dir / "trainer_state.json").write_text(json.dumps({
+            "global_step": self.global_step, "kl_coef": self.kl_ctrl.value, "config": self.cfg.model_dump()}))
+        (root / LATEST).write_text(str(self.global_step))  # last: a crash before it leaves the previous one
+        if t.max_ckpts_to_keep > 0:
+            steps = sorted(int(p.name.split("_")[-1]) for p in root.glob("global_step_*"))
+            for old in steps[: -t.max_ckpts_to_keep]:
+                shutil.rmtree(root / f"global_step_{old}", ignore_errors=True)
+        return step_dir
+
+    def resume(self) -> None:
+        t = self.cfg.trainer
+        if t.resume_mode in (None, "none"):
+            return
+        if t.resume_mode == "latest":
+            marker = Path(t.ckpt_path).expanduser() / LATEST
+            if not marker.exists():
+                return
+            target = marker.parent / f"global_step_{marker.read_text().strip()}"
+        else:
+            target = Path(t.resume_path).expanduser()
+        state = json.loads((target / "trainer_state.json").read_text())
+        self.backend.load_checkpoint(target / POLICY, POLICY)
+        self.global_step = state["global_step"]
+        self.kl_ctrl.value = state["kl_coef"]
+
+    def export(self, path: Path) -> None:
+        """The policy as a PEFT adapter at <path>/policy/."""
+        meta = self.backend.models[POLICY]
+        peft_format.export_adapter(self.backend.model, meta.adapter_index, meta.lora_config.rank,
+                                   meta.lora_config.alpha, self.base_model, path / POLICY)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self._metrics_file:
+            self._metrics_file.write(json.dumps(record) + "\n")
+            self._metrics_file.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record.get("step"))
+
+    def fit(self, stop_after: int | None = None) -> dict[str, Any]:
+        """Train to the end (or `stop_after` steps, to simulate an interruption); return a summary."""
+        t = self.cfg.trainer
+        self.resume()
+        if t.eval_before_train and self.global_step == 0 and self.val_rows:
+            self.log(self.evaluate())
+        bar = tqdm(total=self.total_steps, initial=self.global_step, desc="rl", disable=None)
+        done = 0
+        try:
+            while self.global_step < self.total_steps and (stop_after is None or done < stop_after):
+                record = self.train_step()
+                done += 1
+                step = self.global_step
+                if t.ckpt_interval > 0 and step % t.ckpt_interval == 0:
+                    self.save()
+                if t.hf_save_interval > 0 and step % t.hf_save_interval == 0:
+                    self.export(Path(t.export_path).expanduser() / f"global_step_{step}")
+                if t.eval_interval > 0 and (step % t.eval_interval == 0 or step == self.total_steps):
+                    record |= self.evaluate()
+                self.log(record)
+                bar.update(1)
+                bar.set_postfix({"reward": round(record["reward/avg_raw_reward"], 3), "tok/s": record["tokens_per_s"]})
+        finally:
+            bar.close()
+        if self.global_step < self.total_steps:
+            return {"interrupted_at": self.global_step}
+        if t.ckpt_interval > 0 and self.global_step % t.ckpt_interval:
+            self.save()
+        if t.hf_save_interval > 0 and self.global_step % t.hf_save_interval:
+            self.export(Path(t.export_path).expanduser() / f"global_step_{self.global_step}")
+        summary = {"summary": True, "steps": self.global_step}
+        self.log(summary)
+        if self._wandb is not None:
+            self._wandb.finish()
+        return summary
+
+
+def _batch(model_id: str, datums: list[dict], loss: str, config: dict | None) -> types.PreparedModelPassBatch:
+    """One request ("ref") of `datums` on `model_id`."""
+    extra_keys = sorted({k for d in datums for k in d.get("extra", {})})
+    n = len(datums)
+    return types.PreparedModelPassBatch(
+        all_input_ids=[d["input_ids"] for d in datums], all_targets=[d["targets"] for d in datums],
+        all_token_weights=[d.get("weights", []) for d in datums],
+        all_sampling_logprobs=[d.get("logprobs", []) for d in datums],
+        all_advantages=[d.get("advantages", []) for d in datums], all_model_ids=[model_id] * n,
+        all_loss_fns=[loss] * n, all_loss_fn_configs=[config] * n,
+        all_extra_inputs={k: [d["extra"].get(k, []) for d in datums] for k in extra_keys} or None,
+        request_batch_slices=[("ref", model_id, 0, n)])
