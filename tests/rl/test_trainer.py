@@ -1,7 +1,7 @@
 """tx.rl trainer: the bundled example learns its reward, KL to the base model is 0 before the first update,
-the device loss equals numpy on the seed's formulas, resume equals the uninterrupted run, multi-turn
-episodes keep sampled tokens (and their forward log-probs) apart from observation tokens, and config
-errors name the field."""
+the device loss equals numpy on the seed's formulas, multi-turn episodes keep sampled tokens (and their
+forward log-probs) apart from observation tokens, and config errors name the field. (Resume and multi-run
+jobs: test_trainer_runs.py.)"""
 
 from pathlib import Path
 
@@ -20,8 +20,9 @@ ROOT = Path(__file__).parents[2]
 EXAMPLE = ROOT / "examples/rl_tiny.yaml"
 
 
-def example(tmp_path, generator=None, **trainer) -> RLConfig:
+def example(tmp_path, generator=None, runs=None, **trainer) -> RLConfig:
     values = yaml.safe_load(EXAMPLE.read_text())
+    values["runs"] = runs or []
     values["data"] = {k: [str(ROOT / p) for p in v] for k, v in values["data"].items()}
     values["trainer"] |= {"ckpt_path": str(tmp_path / "ckpts"), "export_path": str(tmp_path / "exports"), **trainer}
     values["generator"] |= generator or {}
@@ -91,23 +92,6 @@ def test_training_loss_equals_numpy(tiny_dirs, policy, kl):
         np.testing.assert_allclose(o["elementwise_loss"].to_numpy(), want, rtol=2e-5, atol=1e-6)
 
 
-def test_resume_equals_the_uninterrupted_run(tmp_path):
-    straight = RLTrainer(example(tmp_path / "a", epochs=1, ckpt_interval=2, eval_before_train=False, eval_interval=-1))
-    straight.fit()
-    first = RLTrainer(example(tmp_path / "b", epochs=1, ckpt_interval=2, eval_before_train=False, eval_interval=-1))
-    assert first.fit(stop_after=4) == {"interrupted_at": 4}
-    resumed = RLTrainer(example(tmp_path / "b", epochs=1, ckpt_interval=2, eval_before_train=False, eval_interval=-1,
-                                resume_mode="latest"))
-    resumed.fit()
-    assert resumed.global_step == straight.global_step == 8
-    a = [yaml.safe_load(x) for x in (tmp_path / "a/metrics.jsonl").read_text().splitlines()]
-    b = [yaml.safe_load(x) for x in (tmp_path / "b/metrics.jsonl").read_text().splitlines()]
-    for ra, rb in zip([r for r in a if "step" in r and "summary" not in r], [r for r in b if "step" in r and "summary" not in r]):
-        assert ra["step"] == rb["step"]
-        assert ra["reward/avg_raw_reward"] == pytest.approx(rb["reward/avg_raw_reward"], abs=1e-6)
-        assert ra["policy/grad_norm"] == pytest.approx(rb["policy/grad_norm"], rel=1e-4)
-
-
 @tx.rl.register_env("test_count_turns", replace=True)
 class CountTurns(tx.rl.Env):
     """Answers every turn with 'again' until the third, then rewards 1."""
@@ -132,7 +116,7 @@ def test_multi_turn_episodes_keep_sampled_and_observation_tokens_apart(tmp_path)
     for row in rows:
         row.env_class = "test_count_turns"
     params = trainer.rollout_params["train"]
-    trajectories = rollout(trainer.backend, trainer.chat, "policy", rows, params, trainer.pool, (0, 0))
+    trajectories = rollout(trainer.backend, trainer.chat, {"policy": (0, 0)}, rows, params, trainer.pool)["policy"]
     assert len(trajectories) == 2 * params.n_samples
     tokenizer = trainer.chat.tokenizer
     for tr in trajectories:

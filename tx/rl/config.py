@@ -232,12 +232,41 @@ class TxSettings(_Seed):
     loss_chunk_size: int = Field(1024, ge=1)
 
 
+# what a run of a multi-run job may set for itself; everything else (data, batch sizes, generator, model) is the
+# job's, so that the runs' rollouts and passes share device batches
+RUN_FIELDS = ("trainer.seed", "trainer.policy.optimizer_config", "trainer.policy.model.lora.rank",
+              "trainer.policy.model.lora.alpha", "trainer.algorithm")
+
+
+class RunConfig(_Seed):
+    """One experiment of a multi-run job: its own adapter, optimizer, metrics, checkpoints and exports."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="model id, metric prefix and directory name")
+    trainer: dict[str, Any] = Field({}, description=f"overrides of the job's trainer fields, among {RUN_FIELDS}")
+
+
 class RLConfig(_Seed):
     data: DataConfig = DataConfig()
     trainer: TrainerConfig = TrainerConfig()
     generator: GeneratorConfig = GeneratorConfig()
     environment: EnvironmentConfig = EnvironmentConfig()
+    runs: list[RunConfig] = Field([], description="tx: several RL runs on one base model in one program (empty: "
+                                  "one run, named 'policy')")
     tx: TxSettings = TxSettings()
+
+    def run_configs(self) -> dict[str, RLConfig]:
+        """Each run's effective config: the job's, with the run's trainer overrides merged in."""
+        if not self.runs:
+            return {"policy": self}
+        base = self.model_dump(exclude={"runs"}, exclude_unset=True)
+        out = {}
+        for run in self.runs:
+            for path in _paths(run.trainer, "trainer."):
+                if not any(path == f or path.startswith(f + ".") for f in RUN_FIELDS):
+                    raise ValueError(f"runs[{run.name!r}].{path}: a run may only set {', '.join(RUN_FIELDS)}; "
+                                     "the rest is shared by every run of the job")
+            out[run.name] = RLConfig.model_validate({**base, "trainer": _merge(base.get("trainer", {}), run.trainer)})
+        return out
 
     @model_validator(mode="before")
     @classmethod
@@ -265,6 +294,10 @@ class RLConfig(_Seed):
             g.eval_sampling_params = SamplingParams(temperature=0.0,
                                                     max_generate_length=g.sampling_params.max_generate_length)
         self._check()
+        names = [r.name for r in self.runs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"runs: names must be unique, got {names}")
+        self.run_configs()  # every run's overrides validate
         return self
 
     def _check(self) -> None:
@@ -317,3 +350,17 @@ class RLConfig(_Seed):
 
 
 _MISSING = object()
+
+
+def _paths(values: dict, prefix: str) -> list[str]:
+    out = []
+    for key, value in values.items():
+        out += _paths(value, f"{prefix}{key}.") if isinstance(value, dict) and value else [f"{prefix}{key}"]
+    return out
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out

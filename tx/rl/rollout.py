@@ -33,6 +33,8 @@ class Trajectory:
 
     group: int  # the prompt's index in the batch: the GRPO / RLOO group
     prompt_ids: list[int]
+    model_id: str = ""
+    seed: tuple[int, ...] = ()
     response_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -103,19 +105,23 @@ def _seed(*parts: int) -> int:
     return zlib.crc32(",".join(map(str, parts)).encode()) & 0x7FFFFFFF
 
 
-def rollout(backend, chat: ChatTokens, model_id: str, rows: list[PromptRow], params: RolloutParams,
-            pool: EnvPool, seed: tuple[int, ...]) -> list[Trajectory]:
-    """`params.n_samples` episodes of every row, run to the end (env done, `max_turns`, or the input
-    length limit); sampled with `model_id`'s current weights."""
-    envs, trajectories, extras = [], [], []
-    for group, row in enumerate(rows):
-        for _ in range(params.n_samples):
-            envs.append(make_env(row.env_class, params.env_configs.get(row.env_class)))
-            extras.append({**row.extras, "max_turns": params.max_turns})
-    prompts = [row.prompt for row in rows for _ in range(params.n_samples)]
+def rollout(backend, chat: ChatTokens, models: dict[str, tuple[int, ...]], rows: list[PromptRow],
+            params: RolloutParams, pool: EnvPool) -> dict[str, list[Trajectory]]:
+    """`params.n_samples` episodes of every row for each model id in `models` (model id -> its sampling seed
+    parts), run to the end (env done, `max_turns`, or the length limits); sampled with each model's current
+    weights, every model's episodes in the same backend calls. A model's samples depend only on its seed, its
+    weights and the rows, never on the other models of the call."""
+    envs, trajectories, extras, prompts = [], [], [], []
+    for model_id, seed in models.items():
+        for group, row in enumerate(rows):
+            for _ in range(params.n_samples):
+                envs.append(make_env(row.env_class, params.env_configs.get(row.env_class)))
+                extras.append({**row.extras, "max_turns": params.max_turns})
+                prompts.append(row.prompt)
+                trajectories.append(Trajectory(group=group, prompt_ids=[], model_id=model_id, seed=seed))
     chats = pool.map_init(envs, prompts, extras)
-    for i, messages in enumerate(chats):
-        trajectories.append(Trajectory(group=i // params.n_samples, prompt_ids=chat.prompt(messages)))
+    for t, messages in zip(trajectories, chats):
+        t.prompt_ids = chat.prompt(messages)
     try:
         for turn in range(params.max_turns):
             live = [i for i, t in enumerate(trajectories) if not t.done]
@@ -127,7 +133,7 @@ def rollout(backend, chat: ChatTokens, model_id: str, rows: list[PromptRow], par
             live = [i for i in live if not trajectories[i].done]
             if not live:
                 break
-            outputs = _sample(backend, model_id, trajectories, live, params, turn == 0, seed + (turn,))
+            outputs = _sample(backend, trajectories, live, params, turn)
             for i, seq in zip(live, outputs):
                 t = trajectories[i]
                 t.response_ids += seq.tokens
@@ -152,33 +158,38 @@ def rollout(backend, chat: ChatTokens, model_id: str, rows: list[PromptRow], par
                 t.logprobs += [0.0] * len(obs)
     finally:
         pool.map_close(envs)
-    return trajectories
+    out: dict[str, list[Trajectory]] = {model_id: [] for model_id in models}
+    for t in trajectories:
+        out[t.model_id].append(t)
+    return out
 
 
-def _sample(backend, model_id: str, trajectories: list[Trajectory], live: list[int], params: RolloutParams,
-            first_turn: bool, seed: tuple[int, ...]) -> list[types.GeneratedSequence]:
-    """One backend call for every live episode's next turn; the first turn asks each prompt once for its
-    `n` samples (one prefill, shared pages)."""
-    groups: list[list[int]] = []
-    if first_turn:
-        by_group: dict[int, list[int]] = {}
-        for i in live:
-            by_group.setdefault(trajectories[i].group, []).append(i)
-        groups = list(by_group.values())
-    else:
-        groups = [[i] for i in live]
-    prompts, sampling, slices = [], [], []
+def _sample(backend, trajectories: list[Trajectory], live: list[int], params: RolloutParams,
+            turn: int) -> list[types.GeneratedSequence]:
+    """One backend call for every live episode's next turn; the first turn asks each (model, prompt) once for
+    its `n` samples (one prefill, shared pages). Request seeds come from the model's seed, the turn and the
+    episode's place within its model's batch."""
+    by_key: dict[tuple, list[int]] = {}
+    for i in live:
+        t = trajectories[i]
+        by_key.setdefault((t.model_id, t.group) if turn == 0 else (t.model_id, i), []).append(i)
+    first_of_model = {}
+    for i, t in enumerate(trajectories):
+        first_of_model.setdefault(t.model_id, i)
+    prompts, sampling, slices, groups = [], [], [], list(by_key.values())
     for r, members in enumerate(groups):
         t = trajectories[members[0]]
         ids = t.prompt_ids + t.response_ids
-        room = params.max_seq_len - len(ids)
-        sp = params.sampling.model_copy(update={"seed": _seed(*seed, r), "max_tokens": min(params.sampling.max_tokens, room)})
+        place = t.group if turn == 0 else members[0] - first_of_model[t.model_id]
+        sp = params.sampling.model_copy(update={"seed": _seed(*t.seed, turn, place),
+                                                "max_tokens": min(params.sampling.max_tokens, params.max_seq_len - len(ids))})
         start = len(prompts)
         prompts += [ids] * len(members)
         sampling += [sp] * len(members)
-        slices.append((f"rollout-{r}", model_id, start, len(prompts), False, 0))
+        slices.append((f"rollout-{r}", t.model_id, start, len(prompts), False, 0))
     out = backend.sample(types.PreparedSampleBatch(
-        all_prompts=prompts, all_sampling_params=sampling, all_model_ids=[model_id] * len(prompts),
+        all_prompts=prompts, all_sampling_params=sampling,
+        all_model_ids=[m for (_, m, s, e, _, _) in slices for _ in range(e - s)],
         all_checkpoint_ids=[""] * len(prompts), all_checkpoint_paths=[""] * len(prompts),
         request_batch_slices=slices))
     sequences: dict[int, types.GeneratedSequence] = {}

@@ -22,6 +22,7 @@ import json
 import math
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,6 @@ from tx.rl.rollout import ChatTokens, PromptRow, RolloutParams, Trajectory, roll
 from tx.sft.data import load_rows
 from tx.sft.seed_config import lora_targets
 
-POLICY = "policy"  # the run's model id, and its directory under checkpoints / exports (SkyRL's layout)
 LATEST = "latest_ckpt_global_step.txt"
 EXTRA_INPUTS = ("ref_logprobs", "kl_weights", "rl_mask", "rl_selected")
 
@@ -95,6 +95,35 @@ def _per_target(tr: Trajectory, values: np.ndarray) -> list[float]:
     return out.tolist()
 
 
+@dataclass
+class Run:
+    """One RL experiment of the job: its adapter (model id = name), its effective config and algorithm state."""
+
+    name: str
+    cfg: RLConfig
+    loss_name: str
+    loss_params: dict[str, float]
+    kl_ctrl: algorithms.KLController
+    correction: algorithms.OffPolicyCorrection
+
+    @classmethod
+    def build(cls, name: str, cfg: RLConfig) -> Run:
+        a = cfg.trainer.algorithm
+        spec = algorithms.policy_loss(a.policy_loss_type)
+        params = {}
+        for key in spec.params:
+            node: Any = a
+            for part in algorithms.POLICY_LOSS_PARAM_FIELDS.get(key, key).split("."):
+                node = getattr(node, part, None)
+            params[key] = float(node) if node is not None else spec.params[key]
+        correction = a.off_policy_correction.model_dump()
+        if a.use_tis and correction["tis_ratio_type"] is None:  # the seed's deprecated spelling
+            correction |= {"tis_ratio_type": "token", "token_tis_ratio_clip_high": a.tis_imp_ratio_cap}
+        return cls(name, cfg, training_loss(a.policy_loss_type, a.kl_estimator_type), params,
+                   algorithms.KLController(a.kl_ctrl.type, a.kl_loss_coef, a.kl_ctrl.kl_target, a.kl_ctrl.horizon),
+                   algorithms.OffPolicyCorrection(**correction))
+
+
 class RLTrainer:
     def __init__(self, cfg: RLConfig):
         from transformers import AutoTokenizer
@@ -108,24 +137,26 @@ class RLTrainer:
 
             base = str(tiny_model_dir())
         self.base_model = base
-        lora = t.policy.model.lora
-        if lora.rank == 0:
+        self.runs = [Run.build(name, run_cfg) for name, run_cfg in cfg.run_configs().items()]
+        ranks = [r.cfg.trainer.policy.model.lora.rank for r in self.runs]
+        if 0 in ranks:
             raise ValueError("trainer.policy.model.lora.rank=0 (full training): tx.rl trains LoRA adapters; "
                              "set a rank >= 1")
-        self.targets = lora_targets(lora.target_modules, lora.exclude_modules)
         config = JaxBackendConfig(
-            max_lora_adapters=cfg.tx.max_lora_adapters or 2, max_lora_rank=lora.rank,
+            max_lora_adapters=cfg.tx.max_lora_adapters or len(self.runs) + 1, max_lora_rank=max(ranks),
             max_seq_len=a.max_seq_len, train_micro_batch_size=t.micro_train_batch_size_per_gpu,
             gradient_checkpointing=t.gradient_checkpointing, loss_chunk_size=cfg.tx.loss_chunk_size,
             max_num_samples=max(g.n_samples_per_prompt, g.eval_n_samples_per_prompt),
             **({"train_micro_batch_tokens": cfg.tx.micro_batch_tokens} if cfg.tx.micro_batch_tokens is not None else {}),
             **({"max_num_seqs": cfg.tx.max_num_seqs} if cfg.tx.max_num_seqs else {}))
         self.backend = JaxBackend(base, config)
-        self.backend.create_model(POLICY, types.LoraConfig(rank=lora.rank, alpha=lora.alpha, seed=t.seed, **self.targets))
+        for run in self.runs:
+            policy = run.cfg.trainer.policy
+            self.backend.create_model(run.name, types.LoraConfig(
+                rank=policy.model.lora.rank, alpha=policy.model.lora.alpha, seed=run.cfg.trainer.seed,
+                **lora_targets(policy.model.lora.target_modules, policy.model.lora.exclude_modules)))
         tokenizer = AutoTokenizer.from_pretrained(str(self.backend.model_dir), use_fast=not t.disable_fast_tokenizer)
         self.chat = ChatTokens(tokenizer, g.chat_template_kwargs)
-        self.loss_name = training_loss(a.policy_loss_type, a.kl_estimator_type)
-        self.loss_params = self._policy_params()
         self.train_rows = self._load(cfg.data.train_data)
         self.val_rows = self._load(cfg.data.val_data) if t.eval_interval > 0 or t.eval_before_train else []
         self.steps_per_epoch = len(self.train_rows) // t.train_batch_size
@@ -147,12 +178,6 @@ class RLTrainer:
                 chat_template_kwargs=g.chat_template_kwargs, env_configs=env_configs)
             for split, sp, n in (("train", g.sampling_params, g.n_samples_per_prompt),
                                  ("eval", g.eval_sampling_params, g.eval_n_samples_per_prompt))}
-        self.kl_ctrl = algorithms.KLController(a.kl_ctrl.type, a.kl_loss_coef, a.kl_ctrl.kl_target, a.kl_ctrl.horizon)
-        self.correction = algorithms.OffPolicyCorrection(**a.off_policy_correction.model_dump())
-        if a.use_tis and self.correction.tis_ratio_type is None:  # the seed's deprecated spelling
-            self.correction = algorithms.OffPolicyCorrection(**{**a.off_policy_correction.model_dump(),
-                                                               "tis_ratio_type": "token",
-                                                               "token_tis_ratio_clip_high": a.tis_imp_ratio_cap})
         self._metrics_file = None
         if cfg.tx.metrics_file:
             Path(cfg.tx.metrics_file).parent.mkdir(parents=True, exist_ok=True)
@@ -163,18 +188,11 @@ class RLTrainer:
 
             self._wandb = wandb.init(project=t.project_name, name=t.run_name, config=cfg.model_dump())
 
-    # ---- data ----
+    def _prefix(self, run: Run) -> str:
+        """Metric keys are SkyRL's for a single run, '<run>/...' when the job has several."""
+        return f"{run.name}/" if self.cfg.runs else ""
 
-    def _policy_params(self) -> dict[str, float]:
-        a = self.cfg.trainer.algorithm
-        spec = algorithms.policy_loss(a.policy_loss_type)
-        values = {}
-        for key in spec.params:
-            node: Any = a
-            for part in algorithms.POLICY_LOSS_PARAM_FIELDS.get(key, key).split("."):
-                node = getattr(node, part, None)
-            values[key] = float(node) if node is not None else spec.params[key]
-        return values
+    # ---- data ----
 
     def _load(self, sources: list[str]) -> list[PromptRow]:
         """Rows of every source whose templated prompt fits `trainer.max_prompt_length` (others are dropped, as
@@ -204,14 +222,45 @@ class RLTrainer:
     # ---- one step ----
 
     def train_step(self) -> dict[str, Any]:
-        t, g, a = self.cfg.trainer, self.cfg.generator, self.cfg.trainer.algorithm
+        """One RL step of every run: their rollouts share sampling calls, their reference log-probs one forward,
+        their mini-batches one forward_backward each."""
         timing: dict[str, float] = {}
         start = time.perf_counter()
-        trajectories = rollout(self.backend, self.chat, POLICY, self.batch_rows(self.global_step),
-                               self.rollout_params["train"], self.pool, (t.seed, self.global_step))
+        by_run = rollout(self.backend, self.chat, {r.name: (r.cfg.trainer.seed, self.global_step) for r in self.runs},
+                         self.batch_rows(self.global_step), self.rollout_params["train"], self.pool)
         timing["generate"] = time.perf_counter() - start
-        record: dict[str, Any] = {"step": self.global_step + 1, **self._rollout_metrics(trajectories, "")}
+        record: dict[str, Any] = {"step": self.global_step + 1}
+        phase = time.perf_counter()
+        kl_runs = [r for r in self.runs if r.cfg.trainer.algorithm.use_kl_loss or r.cfg.trainer.algorithm.use_kl_in_reward]
+        refs = self._reference_logprobs({r.name: by_run[r.name] for r in kl_runs}) if kl_runs else {}
+        timing["fwd_logprobs"] = time.perf_counter() - phase
+        phase = time.perf_counter()
+        prepared = {}
+        for run in self.runs:
+            trajectories = by_run[run.name]
+            record |= {self._prefix(run) + k: v for k, v in self._rollout_metrics(trajectories).items()}
+            prepared[run.name], metrics = self._prepare(run, trajectories, refs.get(run.name))
+            record |= {self._prefix(run) + k: v for k, v in metrics.items()}
+        timing["compute_advantages_and_returns"] = time.perf_counter() - phase
+        phase = time.perf_counter()
+        for run_name, metrics in self._update(by_run, prepared).items():
+            record |= {self._prefix(self._run(run_name)) + k: v for k, v in metrics.items()}
+        timing["policy_train"] = time.perf_counter() - phase
+        self.global_step += 1
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(tr.prompt_ids) + len(tr.response_ids) for trs in by_run.values() for tr in trs)
+        record |= {f"timing/{k}": round(v, 4) for k, v in timing.items()}
+        record |= {"timing/step": round(elapsed, 4), "tokens_per_s": round(tokens / elapsed, 1)}
+        return record
+
+    def _run(self, name: str) -> Run:
+        return next(r for r in self.runs if r.name == name)
+
+    def _prepare(self, run: Run, trajectories: list[Trajectory], ref: np.ndarray | None) -> tuple[dict, dict]:
+        """Rewards, filters, KL in reward, advantages and off-policy correction of one run's batch."""
+        g, a = run.cfg.generator, run.cfg.trainer.algorithm
         arrays = _response_arrays(trajectories)
+        metrics: dict[str, Any] = {}
         stopped = np.array([tr.stop_reason == "stop" for tr in trajectories])
         if g.zero_reward_on_non_stop:
             arrays["rewards"][~stopped] = 0.0
@@ -221,102 +270,106 @@ class RLTrainer:
         if a.zero_variance_filter:
             keep = algorithms.zero_variance_mask(arrays["rewards"].sum(1), group_b)
             arrays["mask"][~keep] = 0.0
-            record["filtered_zero_variance_rows"] = int((~keep).sum())
-        phase = time.perf_counter()
-        ref = np.zeros_like(arrays["logprobs"])
-        if a.use_kl_loss or a.use_kl_in_reward:
-            ref = self._reference_logprobs(trajectories)
-        timing["fwd_logprobs"] = time.perf_counter() - phase
+            metrics["filtered_zero_variance_rows"] = int((~keep).sum())
+        ref = np.zeros_like(arrays["logprobs"]) if ref is None else ref
         old = arrays["logprobs"]  # the sampler's: forward's log-probs under the weights that sampled
         if a.use_kl_in_reward:
             kl_bt = np.asarray(algorithms.kl_estimate(a.kl_estimator_type, old, ref)) * arrays["mask"]
             arrays["rewards"], current = algorithms.apply_kl_in_reward(arrays["rewards"], kl_bt, arrays["mask"],
-                                                                       self.kl_ctrl.value)
-            record |= {"loss/avg_kl": current, "loss/kl_loss_coef": self.kl_ctrl.value}
-            self.kl_ctrl.update(current, len(trajectories))
+                                                                       run.kl_ctrl.value)
+            metrics |= {"loss/avg_kl": current, "loss/kl_loss_coef": run.kl_ctrl.value}
+            run.kl_ctrl.update(current, len(trajectories))
         advantages, _ = algorithms.compute_advantages(
             a.advantage_estimator, arrays["rewards"], arrays["response"], group_b,
             params=algorithms.EstimatorParams(gamma=a.gamma, lambd=a.lambd, grpo_norm_by_std=a.grpo_norm_by_std))
         if a.advantage_batch_normalize:
             advantages = algorithms.batch_normalize_advantages(advantages, arrays["mask"])
-        tis, mask, correction = algorithms.apply_off_policy_correction(self.correction, old, old, arrays["mask"])
-        record |= {f"policy/{k}": v for k, v in correction.items()}
-        record["loss/avg_raw_advantages"] = float((advantages * mask).sum() / max(mask.sum(), 1))
+        tis, mask, correction = algorithms.apply_off_policy_correction(run.correction, old, old, arrays["mask"])
+        metrics |= {f"policy/{k}": v for k, v in correction.items()}
+        metrics["loss/avg_raw_advantages"] = float((advantages * mask).sum() / max(mask.sum(), 1))
         if a.use_kl_loss or a.use_kl_in_reward:
             kl = np.asarray(algorithms.kl_estimate(a.kl_estimator_type, old, ref), np.float64)
-            record["policy/policy_kl"] = float((kl * algorithms.sequence_mean_weights(mask)).sum())
-        phase = time.perf_counter()
-        record |= self._update(trajectories, advantages, old, ref, mask, tis)
-        timing["policy_train"] = time.perf_counter() - phase
-        self.global_step += 1
-        elapsed = time.perf_counter() - start
-        tokens = sum(len(tr.prompt_ids) + len(tr.response_ids) for tr in trajectories)
-        record |= {f"timing/{k}": round(v, 4) for k, v in timing.items()}
-        record |= {"timing/step": round(elapsed, 4), "tokens_per_s": round(tokens / elapsed, 1)}
-        return record
+            metrics["policy/policy_kl"] = float((kl * algorithms.sequence_mean_weights(mask)).sum())
+        return {"advantages": advantages, "old": old, "ref": ref, "mask": mask, "tis": tis}, metrics
 
-    def _reference_logprobs(self, trajectories: list[Trajectory]) -> np.ndarray:
-        """log p_base(response token) [B, T] from the base model (slot 0) in one forward."""
+    def _reference_logprobs(self, by_run: dict[str, list[Trajectory]]) -> dict[str, np.ndarray]:
+        """log p_base(response token) [B, T] per run, from the base model (slot 0) in one forward."""
+        trajectories = [tr for trs in by_run.values() for tr in trs]
         datums = [{"input_ids": (tr.prompt_ids + tr.response_ids)[:-1], "targets": (tr.prompt_ids + tr.response_ids)[1:]}
                   for tr in trajectories]
-        out = self.backend.forward(_batch("", datums, "cross_entropy", None))["ref"]
+        out = self.backend.forward(_batch({"ref": ("", datums, "cross_entropy", None)}))["ref"]
         if isinstance(out, types.ErrorResponse):
             raise RuntimeError(f"reference forward failed: {out.error}")
-        ref = np.zeros((len(trajectories), max(1, max(len(tr.response_ids) for tr in trajectories))))
-        for i, (tr, o) in enumerate(zip(trajectories, out.loss_fn_outputs)):
-            p = len(tr.prompt_ids)
-            ref[i, :len(tr.response_ids)] = o["logprobs"].to_numpy()[p - 1:]
-        return ref
+        outputs = iter(out.loss_fn_outputs)
+        refs = {}
+        for name, trs in by_run.items():
+            ref = np.zeros((len(trs), max(1, max(len(tr.response_ids) for tr in trs))))
+            for i, tr in enumerate(trs):
+                ref[i, :len(tr.response_ids)] = next(outputs)["logprobs"].to_numpy()[len(tr.prompt_ids) - 1:]
+            refs[name] = ref
+        return refs
 
-    def _update(self, trajectories, advantages, old, ref, mask, tis) -> dict[str, Any]:
-        """`update_epochs_per_batch` passes of mini-batches: forward_backward, then an AdamW step each."""
-        t, a = self.cfg.trainer, self.cfg.trainer.algorithm
-        opt = t.policy.optimizer_config
-        n = self.cfg.generator.n_samples_per_prompt
-        rows_per_mini = t.policy_mini_batch_size * n
-        sums: dict[str, list[float]] = {"policy/policy_loss": [], "policy/grad_norm": [], "policy/clip_ratio": []}
-        rng = np.random.default_rng([t.seed, self.global_step, 1])
-        for epoch in range(t.update_epochs_per_batch):
-            for lo in range(0, len(trajectories), rows_per_mini):
-                idx = np.arange(lo, min(lo + rows_per_mini, len(trajectories)))
-                m = mask[idx]
-                weights = algorithms.reduction_weights(a.loss_reduction, m, a.max_seq_len) * tis[idx]
-                kl_weights = algorithms.sequence_mean_weights(m) if a.use_kl_loss else np.zeros_like(m)
-                selected = np.zeros_like(m)
-                if a.policy_loss_type in ("clip_cov", "kl_cov"):
-                    selected = algorithms.select_cov_tokens(a.policy_loss_type, old[idx], advantages[idx], m,
-                                                            self.loss_params, rng)
-                datums = []
-                for j, i in enumerate(idx):
-                    tr = trajectories[i]
-                    full = tr.prompt_ids + tr.response_ids
-                    datums.append({
-                        "input_ids": full[:-1], "targets": full[1:],
-                        "weights": _per_target(tr, weights[j]), "logprobs": _per_target(tr, old[i]),
-                        "advantages": _per_target(tr, advantages[i]),
-                        "extra": {"ref_logprobs": _per_target(tr, ref[i]), "kl_weights": _per_target(tr, kl_weights[j]),
-                                  "rl_mask": _per_target(tr, m[j]), "rl_selected": _per_target(tr, selected[j])}})
-                config = {**self.loss_params, "kl_loss_coef": a.kl_loss_coef if a.use_kl_loss else 0.0}
-                out = self.backend.forward_backward(_batch(POLICY, datums, self.loss_name, config))["ref"]
-                if isinstance(out, types.ErrorResponse):
-                    raise RuntimeError(f"forward_backward failed: {out.error}")
-                step = self.global_step * self.optimizer_steps_per_step + len(sums["policy/grad_norm"])
-                lr = learning_rate(self.cfg, step, self.total_steps * self.optimizer_steps_per_step)
-                metrics = self.backend.optim_step(POLICY, types.OptimStepInput(adam_params=types.AdamParams(
-                    learning_rate=lr, beta1=opt.adam_betas[0], beta2=opt.adam_betas[1], weight_decay=opt.weight_decay,
-                    grad_clip_norm=opt.max_grad_norm))).metrics
-                current = np.zeros_like(m)
-                for j, (i, o) in enumerate(zip(idx, out.loss_fn_outputs)):
-                    p = len(trajectories[i].prompt_ids)
-                    current[j, :len(trajectories[i].response_ids)] = o["logprobs"].to_numpy()[p - 1:]
-                sums["policy/policy_loss"].append(out.metrics["loss:sum"])
-                sums["policy/grad_norm"].append(metrics["grad_norm"])
-                sums["policy/clip_ratio"].append(algorithms.clip_fraction(
-                    a.policy_loss_type, current, old[idx], advantages[idx], m, self.loss_params))
-                sums.setdefault("policy/policy_lr", []).append(lr)
-        return {k: float(np.mean(v)) for k, v in sums.items()}
+    def _minibatch(self, run: Run, trajectories: list[Trajectory], prep: dict, idx: np.ndarray,
+                   rng: np.random.Generator) -> tuple[list[dict], str, dict[str, float]]:
+        """One run's mini-batch as datums of its training loss; weights carry the reduction over the mini-batch."""
+        a = run.cfg.trainer.algorithm
+        m, old, adv = prep["mask"][idx], prep["old"], prep["advantages"]
+        weights = algorithms.reduction_weights(a.loss_reduction, m, a.max_seq_len) * prep["tis"][idx]
+        kl_weights = algorithms.sequence_mean_weights(m) if a.use_kl_loss else np.zeros_like(m)
+        selected = np.zeros_like(m)
+        if a.policy_loss_type in ("clip_cov", "kl_cov"):
+            selected = algorithms.select_cov_tokens(a.policy_loss_type, old[idx], adv[idx], m, run.loss_params, rng)
+        datums = []
+        for j, i in enumerate(idx):
+            tr = trajectories[i]
+            full = tr.prompt_ids + tr.response_ids
+            datums.append({
+                "input_ids": full[:-1], "targets": full[1:], "weights": _per_target(tr, weights[j]),
+                "logprobs": _per_target(tr, old[i]), "advantages": _per_target(tr, adv[i]),
+                "extra": {"ref_logprobs": _per_target(tr, prep["ref"][i]), "kl_weights": _per_target(tr, kl_weights[j]),
+                          "rl_mask": _per_target(tr, m[j]), "rl_selected": _per_target(tr, selected[j])}})
+        config = {**run.loss_params, "kl_loss_coef": a.kl_loss_coef if a.use_kl_loss else 0.0}
+        return datums, run.loss_name, config
 
-    def _rollout_metrics(self, trajectories: list[Trajectory], prefix: str) -> dict[str, Any]:
+    def _update(self, by_run: dict[str, list[Trajectory]], prepared: dict[str, dict]) -> dict[str, dict[str, float]]:
+        """`update_epochs_per_batch` passes of mini-batches; each mini-batch is one forward_backward holding every
+        run's rows (a request per run), then an AdamW step per run."""
+        t = self.cfg.trainer
+        rows_per_mini = t.policy_mini_batch_size * self.cfg.generator.n_samples_per_prompt
+        rows = len(next(iter(by_run.values())))
+        sums: dict[str, dict[str, list[float]]] = {r.name: {} for r in self.runs}
+        rngs = {r.name: np.random.default_rng([r.cfg.trainer.seed, self.global_step, 1]) for r in self.runs}
+        optimizer_step = self.global_step * self.optimizer_steps_per_step
+        for _ in range(t.update_epochs_per_batch):
+            for lo in range(0, rows, rows_per_mini):
+                idx = np.arange(lo, min(lo + rows_per_mini, rows))
+                requests = {r.name: (r.name, *self._minibatch(r, by_run[r.name], prepared[r.name], idx, rngs[r.name]))
+                            for r in self.runs}
+                out = self.backend.forward_backward(_batch(requests))
+                for run in self.runs:
+                    result = out[run.name]
+                    if isinstance(result, types.ErrorResponse):
+                        raise RuntimeError(f"run {run.name}: forward_backward failed: {result.error}")
+                    opt = run.cfg.trainer.policy.optimizer_config
+                    lr = learning_rate(run.cfg, optimizer_step, self.total_steps * self.optimizer_steps_per_step)
+                    grad_norm = self.backend.optim_step(run.name, types.OptimStepInput(adam_params=types.AdamParams(
+                        learning_rate=lr, beta1=opt.adam_betas[0], beta2=opt.adam_betas[1],
+                        weight_decay=opt.weight_decay, grad_clip_norm=opt.max_grad_norm))).metrics["grad_norm"]
+                    trajectories, prep = by_run[run.name], prepared[run.name]
+                    current = np.zeros_like(prep["mask"][idx])
+                    for j, (i, o) in enumerate(zip(idx, result.loss_fn_outputs)):
+                        p = len(trajectories[i].prompt_ids)
+                        current[j, :len(trajectories[i].response_ids)] = o["logprobs"].to_numpy()[p - 1:]
+                    a = run.cfg.trainer.algorithm
+                    clip = algorithms.clip_fraction(a.policy_loss_type, current, prep["old"][idx], prep["advantages"][idx],
+                                                    prep["mask"][idx], run.loss_params)
+                    for key, value in (("policy/policy_loss", result.metrics["loss:sum"]), ("policy/grad_norm", grad_norm),
+                                       ("policy/clip_ratio", clip), ("policy/policy_lr", lr)):
+                        sums[run.name].setdefault(key, []).append(value)
+                optimizer_step += 1
+        return {name: {k: float(np.mean(v)) for k, v in s.items()} for name, s in sums.items()}
+
+    def _rollout_metrics(self, trajectories: list[Trajectory]) -> dict[str, Any]:
         rewards = np.array([tr.reward for tr in trajectories])
         lengths = np.array([tr.generated_tokens() for tr in trajectories])
         groups: dict[int, list[float]] = {}
@@ -324,28 +377,31 @@ class RLTrainer:
             groups.setdefault(tr.group, []).append(tr.reward)
         n = max(len(v) for v in groups.values())
         errors = sum(len(tr.env_errors) for tr in trajectories)
-        return {f"{prefix}reward/avg_raw_reward": float(rewards.mean()), f"{prefix}reward/std_raw_reward": float(rewards.std()),
-                f"{prefix}reward/avg_pass_at_{n}": float(np.mean([max(v) > 0 for v in groups.values()])),
-                f"{prefix}generate/avg_num_tokens": float(lengths.mean()),
-                f"{prefix}generate/max_num_tokens": int(lengths.max()),
-                f"{prefix}generate/stop_ratio": float(np.mean([tr.stop_reason == "stop" for tr in trajectories])),
-                **({f"{prefix}environment/errors": errors} if errors else {})}
+        return {"reward/avg_raw_reward": float(rewards.mean()), "reward/std_raw_reward": float(rewards.std()),
+                f"reward/avg_pass_at_{n}": float(np.mean([max(v) > 0 for v in groups.values()])),
+                "generate/avg_num_tokens": float(lengths.mean()), "generate/max_num_tokens": int(lengths.max()),
+                "generate/stop_ratio": float(np.mean([tr.stop_reason == "stop" for tr in trajectories])),
+                **({"environment/errors": errors} if errors else {})}
 
     def evaluate(self) -> dict[str, Any]:
-        """Every validation prompt, `eval_n_samples_per_prompt` episodes with `eval_sampling_params`."""
+        """Every validation prompt, `eval_n_samples_per_prompt` episodes with `eval_sampling_params`, per run."""
         if not self.val_rows:
             return {}
         size = self.cfg.trainer.eval_batch_size
-        trajectories: list[Trajectory] = []
+        by_run: dict[str, list[Trajectory]] = {r.name: [] for r in self.runs}
         for lo in range(0, len(self.val_rows), size):
-            part = rollout(self.backend, self.chat, POLICY, self.val_rows[lo:lo + size], self.rollout_params["eval"],
-                           self.pool, (self.cfg.trainer.seed, -1, lo))
-            for tr in part:
-                tr.group += lo
-            trajectories += part
-        metrics = self._rollout_metrics(trajectories, "eval/all/")
-        metrics["eval/all/avg_score"] = metrics.pop("eval/all/reward/avg_raw_reward")
-        return {"step": self.global_step, **metrics}
+            part = rollout(self.backend, self.chat, {r.name: (r.cfg.trainer.seed, -1, lo) for r in self.runs},
+                           self.val_rows[lo:lo + size], self.rollout_params["eval"], self.pool)
+            for name, trajectories in part.items():
+                for tr in trajectories:
+                    tr.group += lo
+                by_run[name] += trajectories
+        out: dict[str, Any] = {"step": self.global_step}
+        for run in self.runs:
+            metrics = self._rollout_metrics(by_run[run.name])
+            metrics["avg_score"] = metrics.pop("reward/avg_raw_reward")
+            out |= {f"{self._prefix(run)}eval/all/{k}": v for k, v in metrics.items()}
+        return out
 
     # ---- checkpoints and exports ----
 
@@ -353,9 +409,11 @@ class RLTrainer:
         t = self.cfg.trainer
         root = Path(t.ckpt_path).expanduser()
         step_dir = root / f"global_step_{self.global_step}"
-        self.backend.save_checkpoint(step_dir / POLICY, POLICY)
+        for run in self.runs:
+            self.backend.save_checkpoint(step_dir / run.name, run.name)
         (step_dir / "trainer_state.json").write_text(json.dumps({
-            "global_step": self.global_step, "kl_coef": self.kl_ctrl.value, "config": self.cfg.model_dump()}))
+            "global_step": self.global_step, "kl_coef": {r.name: r.kl_ctrl.value for r in self.runs},
+            "config": self.cfg.model_dump()}))
         (root / LATEST).write_text(str(self.global_step))  # last: a crash before it leaves the previous one
         if t.max_ckpts_to_keep > 0:
             steps = sorted(int(p.name.split("_")[-1]) for p in root.glob("global_step_*"))
@@ -375,15 +433,17 @@ class RLTrainer:
         else:
             target = Path(t.resume_path).expanduser()
         state = json.loads((target / "trainer_state.json").read_text())
-        self.backend.load_checkpoint(target / POLICY, POLICY)
+        for run in self.runs:
+            self.backend.load_checkpoint(target / run.name, run.name)
+            run.kl_ctrl.value = state["kl_coef"][run.name]
         self.global_step = state["global_step"]
-        self.kl_ctrl.value = state["kl_coef"]
 
     def export(self, path: Path) -> None:
-        """The policy as a PEFT adapter at <path>/policy/."""
-        meta = self.backend.models[POLICY]
-        peft_format.export_adapter(self.backend.model, meta.adapter_index, meta.lora_config.rank,
-                                   meta.lora_config.alpha, self.base_model, path / POLICY)
+        """Each run as a PEFT adapter at <path>/<run>/ (<path>/policy/ for a single run)."""
+        for run in self.runs:
+            meta = self.backend.models[run.name]
+            peft_format.export_adapter(self.backend.model, meta.adapter_index, meta.lora_config.rank,
+                                       meta.lora_config.alpha, self.base_model, path / run.name)
 
     def log(self, record: dict[str, Any]) -> None:
         if self._metrics_file:
@@ -413,7 +473,8 @@ class RLTrainer:
                     record |= self.evaluate()
                 self.log(record)
                 bar.update(1)
-                bar.set_postfix({"reward": round(record["reward/avg_raw_reward"], 3), "tok/s": record["tokens_per_s"]})
+                rewards = [v for k, v in record.items() if k.endswith("reward/avg_raw_reward")]
+                bar.set_postfix({"reward": round(float(np.mean(rewards)), 3), "tok/s": record["tokens_per_s"]})
         finally:
             bar.close()
         if self.global_step < self.total_steps:
@@ -429,15 +490,25 @@ class RLTrainer:
         return summary
 
 
-def _batch(model_id: str, datums: list[dict], loss: str, config: dict | None) -> types.PreparedModelPassBatch:
-    """One request ("ref") of `datums` on `model_id`."""
-    extra_keys = sorted({k for d in datums for k in d.get("extra", {})})
-    n = len(datums)
-    return types.PreparedModelPassBatch(
-        all_input_ids=[d["input_ids"] for d in datums], all_targets=[d["targets"] for d in datums],
-        all_token_weights=[d.get("weights", []) for d in datums],
-        all_sampling_logprobs=[d.get("logprobs", []) for d in datums],
-        all_advantages=[d.get("advantages", []) for d in datums], all_model_ids=[model_id] * n,
-        all_loss_fns=[loss] * n, all_loss_fn_configs=[config] * n,
-        all_extra_inputs={k: [d["extra"].get(k, []) for d in datums] for k in extra_keys} or None,
-        request_batch_slices=[("ref", model_id, 0, n)])
+def _batch(requests: dict[str, tuple[str, list[dict], str, dict | None]]) -> types.PreparedModelPassBatch:
+    """One PreparedModelPassBatch of requests {request id: (model id, datums, loss, loss config)}."""
+    fields: dict[str, list] = {k: [] for k in ("all_input_ids", "all_targets", "all_token_weights",
+                                                "all_sampling_logprobs", "all_advantages", "all_model_ids",
+                                                "all_loss_fns", "all_loss_fn_configs")}
+    datums_all = [d for _, datums, _, _ in requests.values() for d in datums]
+    extra_keys = sorted({k for d in datums_all for k in d.get("extra", {})})
+    slices = []
+    for request_id, (model_id, datums, loss, config) in requests.items():
+        start = len(fields["all_input_ids"])
+        for d in datums:
+            fields["all_input_ids"].append(d["input_ids"])
+            fields["all_targets"].append(d["targets"])
+            fields["all_token_weights"].append(d.get("weights", []))
+            fields["all_sampling_logprobs"].append(d.get("logprobs", []))
+            fields["all_advantages"].append(d.get("advantages", []))
+            fields["all_model_ids"].append(model_id)
+            fields["all_loss_fns"].append(loss)
+            fields["all_loss_fn_configs"].append(config)
+        slices.append((request_id, model_id, start, len(fields["all_input_ids"])))
+    extra = {k: [d.get("extra", {}).get(k, []) for d in datums_all] for k in extra_keys}
+    return types.PreparedModelPassBatch(**fields, all_extra_inputs=extra or None, request_batch_slices=slices)
