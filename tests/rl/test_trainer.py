@@ -3,6 +3,7 @@ the device loss equals numpy on the seed's formulas, multi-turn episodes keep sa
 forward log-probs) apart from observation tokens, and config errors name the field. (Resume and multi-run
 jobs: test_trainer_runs.py.)"""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -166,3 +167,51 @@ def test_seed_post_init_rules_and_overrides():
     assert cfg.generator.eval_sampling_params.temperature == 0.0
     assert cfg.generator.eval_sampling_params.max_generate_length == 50
     assert cfg.trainer.train_batch_size == 1024 and cfg.generator.n_samples_per_prompt == 5  # the seed's defaults
+
+
+USER_MODULE = '''
+import numpy as np
+import tx.rl
+
+CALLS = {"env_steps": 0, "estimator": 0, "loss_traces": 0}
+
+
+@tx.rl.register_env("user_has_digit")
+class HasDigit(tx.rl.Env):
+    def step(self, action):
+        CALLS["env_steps"] += 1
+        return tx.rl.StepOutput(reward=float(any(c.isdigit() for c in action)), done=True)
+
+
+@tx.rl.register_advantage_estimator("user_centered")
+def centered(token_rewards_bt, response_mask_bt, group_b, values_bt, params):
+    CALLS["estimator"] += 1
+    score = token_rewards_bt.sum(1)
+    adv = (score - score.mean())[:, None] * response_mask_bt
+    return adv.astype(np.float32), adv.astype(np.float32)
+
+
+@tx.rl.register_policy_loss("user_reinforce", params={"scale": 1.0})
+def reinforce(logprobs_t, inputs, params):
+    CALLS["loss_traces"] += 1
+    return -params["scale"] * inputs["advantages"] * logprobs_t
+'''
+
+
+def test_user_env_estimator_and_policy_loss_from_a_module_in_the_config(tmp_path, monkeypatch):
+    import sys
+
+    (tmp_path / "my_rl_parts.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [{"prompt": [{"role": "user", "content": f"Count to {i}."}]} for i in range(16)]  # no env_class column
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["--config", str(EXAMPLE), "environment.imports=[my_rl_parts]", "environment.env_class=user_has_digit",
+                 "trainer.algorithm.advantage_estimator=user_centered", "trainer.algorithm.policy_loss_type=user_reinforce",
+                 "trainer.epochs=1", "trainer.eval_before_train=false", "trainer.eval_interval=-1",
+                 f"data.train_data=[{tmp_path / 'data.jsonl'}]", "trainer.ckpt_interval=-1",
+                 "trainer.hf_save_interval=-1", f"tx.metrics_file={tmp_path}/m.jsonl"]) == 0
+    calls = sys.modules["my_rl_parts"].CALLS
+    assert calls == {"env_steps": 2 * 8 * 8, "estimator": 2, "loss_traces": calls["loss_traces"]}  # 2 steps of 8 x 8
+    assert calls["loss_traces"] >= 1
+    records = [yaml.safe_load(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert len([r for r in records if "policy/grad_norm" in r]) == 2
