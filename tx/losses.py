@@ -8,7 +8,8 @@ A loss is a JAX function of one datum (row):
 returning the per-token loss. A loss may also read per-token float inputs of its own, declared with
 `input_keys` (e.g. a reference policy's log-probs for a KL term): they reach `inputs` under those names
 (zeros where a datum leaves them out), travel as `loss_fn_inputs` of that name through the API and as
-`all_extra_inputs` in-process, and a datum that sends a key its loss does not declare is refused. A loss registered with `multi_target=True` also takes 2-D `[t, K]` targets
+`all_extra_inputs` in-process, and a datum that sends a key its loss does not declare is refused. A loss
+registered with `needs_entropy=True` also gets `inputs["entropy"]` (each position's entropy). A loss registered with `multi_target=True` also takes 2-D `[t, K]` targets
 (K target tokens per position, e.g. top-k distillation): it then sees `target_logprobs` and `weights` as
 `[t, K]` and may return `[t, K]`, which is summed over K. Other losses see column 0 only (the server refuses
 2-D targets for them). One row is one datum, so a sequence-level reduction inside a loss (gspo) is a
@@ -43,19 +44,23 @@ class LossSpec:
     config_defaults: Mapping[str, float]
     multi_target: bool = False
     input_keys: tuple[str, ...] = ()  # extra per-token float inputs it reads
+    needs_entropy: bool = False  # reads inputs["entropy"]: each position's entropy, with its gradient
 
 
 _REGISTRY: dict[str, LossSpec] = {}
 
 
 def register(name: str, fn: LossFn | None = None, *, config_defaults: Mapping[str, float] | None = None,
-             replace: bool = False, multi_target: bool = False, input_keys: Sequence[str] = ()):
+             replace: bool = False, multi_target: bool = False, input_keys: Sequence[str] = (),
+             needs_entropy: bool = False):
     """Register `fn` under `name` (use as `@register("name")` or `register("name", fn)`).
 
     `config_defaults` lists every `loss_fn_config` key the loss accepts, with its default; requests with
     other keys are rejected. `multi_target` says the loss accepts 2-D `[t, K]` targets (see the module
-    docstring). `input_keys` names the extra per-token float inputs the loss reads. Re-registering a name
-    raises unless `replace=True`."""
+    docstring). `input_keys` names the extra per-token float inputs the loss reads. `needs_entropy` asks the
+    training pass for `inputs["entropy"]`, the entropy of each position's next-token distribution (computed
+    from the same logits chunks as the log-probs, differentiable; only in passes with such a loss's rows).
+    Re-registering a name raises unless `replace=True`."""
     for key in input_keys:
         if not key.isidentifier() or key in INPUT_KEYS or key == "target_tokens":
             raise ValueError(f"loss {name!r}: input key {key!r} must be an identifier other than "
@@ -64,7 +69,7 @@ def register(name: str, fn: LossFn | None = None, *, config_defaults: Mapping[st
     def add(f: LossFn) -> LossFn:
         if name in _REGISTRY and not replace:
             raise ValueError(f"loss {name!r} is already registered (pass replace=True to override)")
-        _REGISTRY[name] = LossSpec(name, f, dict(config_defaults or {}), multi_target, tuple(input_keys))
+        _REGISTRY[name] = LossSpec(name, f, dict(config_defaults or {}), multi_target, tuple(input_keys), needs_entropy)
         return f
 
     return add(fn) if fn is not None else add
@@ -118,7 +123,8 @@ def per_token_losses(
     if target_logprobs_btk.ndim == 2:  # one target per position
         target_logprobs_btk = target_logprobs_btk[..., None]
     b_t = target_logprobs_btk.shape[:2]
-    inputs_bt = {k: jnp.zeros(b_t, target_logprobs_btk.dtype) for k in INPUT_KEYS + extra_input_keys()} | dict(inputs_bt)
+    zero_keys = INPUT_KEYS + extra_input_keys() + ("entropy",)  # entropy: only passes that need it compute it
+    inputs_bt = {k: jnp.zeros(b_t, target_logprobs_btk.dtype) for k in zero_keys} | dict(inputs_bt)
     if inputs_bt["weights"].ndim == 2:
         inputs_bt["weights"] = inputs_bt["weights"][..., None]
     total_bt = jnp.zeros(b_t, target_logprobs_btk.dtype)

@@ -239,6 +239,35 @@ def test_extra_loss_inputs_reach_the_loss_and_are_checked(tiny_dirs):
         tx.losses.register("test_bad_key", lambda t, i, c: t, input_keys=("advantages",))
 
 
+@tx.losses.register("test_max_entropy", needs_entropy=True)
+def max_entropy(tlp, inputs, config):
+    """A loss that reads each position's entropy: -weights * entropy."""
+    return -inputs["weights"] * inputs["entropy"]
+
+
+def test_entropy_input_matches_torch_and_trains(tiny_dirs):
+    backend = new_backend(tiny_dirs)
+    datums = random_datums(15, [8, 5])
+    mixed = make_batch([("ent", "a", datums, "test_max_entropy", None), ("ce", "b", datums, "cross_entropy", None)])
+    out = backend.forward(mixed)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dirs["dense"], dtype=torch.float32)  # adapters start as the base
+    for datum, output in zip(datums, out["ent"].loss_fn_outputs):
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([datum["input_ids"]])).logits[0].double()
+        want = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1).numpy()
+        np.testing.assert_allclose(output["entropy"].to_numpy(), want, atol=1e-4)
+        np.testing.assert_allclose(output["elementwise_loss"].to_numpy(), -want, atol=1e-4)
+    assert all("entropy" not in o for o in out["ce"].loss_fn_outputs)  # only rows whose loss reads it
+    before = out["ent"].metrics["loss:sum"]
+    losses_seen = [before]
+    for _ in range(3):
+        backend.forward_backward(make_batch([("ent", "a", datums, "test_max_entropy", None)]))
+        backend.optim_step("a", types.OptimStepInput(adam_params=types.AdamParams(learning_rate=1e-3)))
+        losses_seen.append(backend.forward(make_batch([("ent", "a", datums, "test_max_entropy", None)]))["ent"]
+                           .metrics["loss:sum"])
+    assert all(b < a for a, b in zip(losses_seen, losses_seen[1:])), losses_seen  # maximising it raises it
+
+
 def test_forward_of_the_base_model_matches_transformers(tiny_dirs):
     """model id "" in forward reads slot 0, the base model (an RL reference policy); it cannot be trained."""
     backend = new_backend(tiny_dirs)

@@ -41,6 +41,7 @@ def test_example_learns_its_reward_and_kl_starts_at_zero(tmp_path, capsys):
     assert max(r["reward/avg_raw_reward"] for r in steps[-4:]) >= 0.8, [r["reward/avg_raw_reward"] for r in steps]
     assert steps[0]["policy/policy_kl"] == 0.0  # B = 0 before the first update: the policy is the base model
     assert steps[-1]["policy/policy_kl"] > 0.0
+    assert 0 < steps[-1]["policy/policy_entropy"] < steps[0]["policy/policy_entropy"]  # sharper as it learns
     evals = [r for r in records if "eval/all/avg_score" in r]
     assert evals[0]["step"] == 0 and evals[-1]["eval/all/avg_score"] > evals[0]["eval/all/avg_score"]
     assert (tmp_path / "ck/global_step_16/policy").is_dir() and (tmp_path / "ck/latest_ckpt_global_step.txt").read_text() == "16"
@@ -56,7 +57,7 @@ def test_training_loss_equals_numpy(tiny_dirs, policy, kl):
     name = training_loss(policy, kl)
     rng = np.random.default_rng(0)
     lengths = [9, 5]
-    datums, extra = [], {k: [] for k in ("ref_logprobs", "kl_weights", "rl_mask", "rl_selected")}
+    datums, extra = [], {k: [] for k in ("ref_logprobs", "kl_weights", "entropy_weights", "rl_mask", "rl_selected")}
     for n in lengths:
         seq = rng.integers(0, 512, n + 1)
         mask = (rng.uniform(size=n) < 0.8).astype(float)
@@ -65,11 +66,13 @@ def test_training_loss_equals_numpy(tiny_dirs, policy, kl):
                        "advantages": rng.normal(size=n).tolist()})
         extra["ref_logprobs"].append(rng.uniform(-8, -4, n).tolist())
         extra["kl_weights"].append((mask * 0.05).tolist())
+        extra["entropy_weights"].append((mask * 0.1).tolist())
         extra["rl_mask"].append(mask.tolist())
         extra["rl_selected"].append([0.0] * n)
     params = {"eps_clip_low": 0.2, "eps_clip_high": 0.28, "clip_ratio_c": 3.0, "cispo_eps_clip_low": 0.0,
               "cispo_eps_clip_high": 5.0}
-    config = {k: v for k, v in params.items() if k in tx.losses.get(name).config_defaults} | {"kl_loss_coef": 0.3}
+    config = {k: v for k, v in params.items() if k in tx.losses.get(name).config_defaults} | {
+        "kl_loss_coef": 0.3, "entropy_loss_coef": 0.02}
     out = backend.forward(make_batch([("r", "p", datums, name, config)], all_extra_inputs=extra))["r"]
     for i, (d, o) in enumerate(zip(datums, out.loss_fn_outputs)):
         lp = o["logprobs"].to_numpy().astype(np.float64)
@@ -89,7 +92,8 @@ def test_training_loss_equals_numpy(tiny_dirs, policy, kl):
         d_ = ref - lp
         kl_t = {"k1": lp - ref, "k2": 0.5 * (lp - ref) ** 2, "abs": np.abs(lp - ref),
                 "k3": np.clip(np.exp(np.clip(d_, -20, 20)) - np.clip(d_, -20, 20) - 1, -10, 10)}[kl]
-        want = w * pg + 0.3 * klw * kl_t
+        # each position's entropy: checked against torch in tests/backends/test_jax_backend.py
+        want = w * pg + 0.3 * klw * kl_t - 0.02 * np.asarray(extra["entropy_weights"][i]) * o["entropy"].to_numpy()
         np.testing.assert_allclose(o["elementwise_loss"].to_numpy(), want, rtol=2e-5, atol=1e-6)
 
 

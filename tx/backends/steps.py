@@ -45,12 +45,15 @@ def make_model_pass(
     on_trace: Callable[[], None],
     grad_dtype: Any = None,
     extra_keys: tuple[str, ...] = (),
+    with_entropy: bool = False,
 ) -> Callable:
     """The jitted pass of one micro-batch, by `mode` (gradients cast to `grad_dtype` when given):
 
-    - "forward":    `(lora, frozen, batch) -> (target_logprobs [b, t, K], per_token_loss [b, t])`
-    - "grads":      `(lora, frozen, batch) -> (grads, tlp, loss)`: the first micro-batch of a call
-    - "accumulate": `(lora, frozen, acc, batch) -> (acc + grads, tlp, loss)`, `acc` donated
+    - "forward":    `(lora, frozen, batch) -> (target_logprobs [b, t, K], per_token_loss [b, t], entropy)`
+    - "grads":      `(lora, frozen, batch) -> (grads, tlp, loss, entropy)`: the first micro-batch of a call
+    - "accumulate": `(lora, frozen, acc, batch) -> (acc + grads, tlp, loss, entropy)`, `acc` donated
+
+    `entropy` is each position's entropy [b, t] when `with_entropy` (some row's loss reads it), else None.
 
     `extra_keys` are the extra per-token loss inputs the batch carries (`losses.extra_input_keys()`).
     None of them reads the gradient sums: a call accumulates into its own temporary and the backend
@@ -63,27 +66,33 @@ def make_model_pass(
         hidden_btd = model(batch["input_ids"], batch["attention_mask"], adapter_b,
                            positions_bt=batch["positions"], segment_ids_bt=batch["segment_ids"])
         # targets [b, t, K]: the extra cost of K > 1 is a gather of K values per position of each chunk
-        tlp_bt = model.target_logprobs(hidden_btd, batch["targets"], adapter_b, chunk_size=chunk_size)
         inputs = {k: batch[k] for k in losses.INPUT_KEYS + extra_keys}
+        entropy_bt = None
+        if with_entropy:
+            tlp_bt, entropy_bt = model.target_logprobs(hidden_btd, batch["targets"], adapter_b, chunk_size=chunk_size,
+                                                       with_entropy=True)
+            inputs["entropy"] = entropy_bt
+        else:
+            tlp_bt = model.target_logprobs(hidden_btd, batch["targets"], adapter_b, chunk_size=chunk_size)
         loss_bt = losses.per_token_losses(tlp_bt, inputs, batch["loss_index"], batch["config"], loss_names, keys)
         loss_bt = jnp.where(batch["attention_mask"] > 0, loss_bt, 0.0)
-        return jnp.sum(loss_bt), (tlp_bt, loss_bt)
+        return jnp.sum(loss_bt), (tlp_bt, loss_bt, entropy_bt)
 
     def forward(lora, frozen, batch):
         on_trace()
-        _, (tlp_bt, loss_bt) = summed_loss(lora, frozen, batch)
-        return tlp_bt, loss_bt
+        _, outputs = summed_loss(lora, frozen, batch)
+        return outputs
 
     def grads(lora, frozen, batch):
         on_trace()
-        (_, (tlp_bt, loss_bt)), g = jax.value_and_grad(summed_loss, has_aux=True)(lora, frozen, batch)
+        (_, outputs), g = jax.value_and_grad(summed_loss, has_aux=True)(lora, frozen, batch)
         if grad_dtype is not None:
             g = jax.tree.map(lambda x: x.astype(grad_dtype), g)
-        return g, tlp_bt, loss_bt
+        return g, *outputs
 
     def accumulate(lora, frozen, acc, batch):
-        g, tlp_bt, loss_bt = grads(lora, frozen, batch)
-        return jax.tree.map(jnp.add, acc, g), tlp_bt, loss_bt
+        g, *outputs = grads(lora, frozen, batch)
+        return jax.tree.map(jnp.add, acc, g), *outputs
 
     if mode == "forward":
         return jax.jit(forward)

@@ -25,16 +25,28 @@ def logprobs_from_logits(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Ar
     return jnp.take_along_axis(logits_btv, targets_bt.astype(jnp.int32), axis=-1) - lse_bt[..., None]
 
 
+def entropy_from_logits(logits_btv: jax.Array) -> jax.Array:
+    """Entropy of softmax(logits) per position, float32: logsumexp(z) - sum softmax(z) * z."""
+    logits_btv = logits_btv.astype(jnp.float32)
+    lse_bt = jax.nn.logsumexp(logits_btv, axis=-1)
+    probs_btv = jnp.exp(logits_btv - lse_bt[..., None])
+    return lse_bt - jnp.sum(probs_btv * logits_btv, axis=-1)
+
+
 def chunked_target_logprobs(
     logits_fn: LogitsFn,
     hidden_btd: jax.Array,
     targets_bt: jax.Array,
     adapter_b: jax.Array | None,
     chunk_size: int,
-) -> jax.Array:
+    with_entropy: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """log p(targets[b, t] | hidden[b, t]) for every token, float32 [b, t] (or [b, t, K] for targets
-    [b, t, K])."""
-    return chunked_logprob_stats(logits_fn, hidden_btd, targets_bt, adapter_b, chunk_size)[0]
+    [b, t, K]); with `with_entropy`, also the entropy of every position's distribution [b, t]
+    (differentiable, computed from the same chunk of logits)."""
+    target, _, _, entropy = chunked_logprob_stats(logits_fn, hidden_btd, targets_bt, adapter_b, chunk_size,
+                                                  with_entropy=with_entropy)
+    return (target, entropy) if with_entropy else target
 
 
 def chunked_logprob_stats(
@@ -44,8 +56,10 @@ def chunked_logprob_stats(
     adapter_b: jax.Array | None,
     chunk_size: int,
     top_k: int = 0,
-) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-    """Target log-probs [b, t] and, if `top_k` > 0, the top-k token ids and log-probs [b, t, k].
+    with_entropy: bool = False,
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array | None]:
+    """Target log-probs [b, t]; if `top_k` > 0, the top-k token ids and log-probs [b, t, k]; if
+    `with_entropy`, each position's entropy [b, t] (else None).
 
     Chunks run along time, `max(1, chunk_size // b)` positions of every row at once (about
     `chunk_size` tokens), so each chunk keeps the per-row adapter of the batch."""
@@ -63,10 +77,11 @@ def chunked_logprob_stats(
         h_bkd, tgt_bk = args
         logits_bkv = logits_fn(h_bkd, adapter_b)
         target_bk = logprobs_from_logits(logits_bkv, tgt_bk)
+        entropy_bk = entropy_from_logits(logits_bkv) if with_entropy else None
         if not top_k:
-            return target_bk, None, None
+            return target_bk, None, None, entropy_bk
         top_lp_bkj, top_ids_bkj = jax.lax.top_k(jax.nn.log_softmax(logits_bkv, axis=-1), top_k)
-        return target_bk, top_ids_bkj.astype(jnp.int32), top_lp_bkj
+        return target_bk, top_ids_bkj.astype(jnp.int32), top_lp_bkj, entropy_bk
 
     def unchunk(x):
         return None if x is None else x.swapaxes(0, 1).reshape(b, chunks * chunk, *x.shape[3:])[:, :t]

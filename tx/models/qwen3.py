@@ -289,6 +289,9 @@ class Qwen3ForCausalLM(nnx.Module):
         targets_bt: jax.Array,
         adapter_indices_b: jax.Array | None = None,
         chunk_size: int = 1024,
-    ) -> jax.Array:
-        """float32 log p(target) [b, t], computed `chunk_size` tokens at a time (no [b, t, vocab] tensor)."""
-        return chunked_target_logprobs(self.logits, hidden_btd, targets_bt, adapter_indices_b, chunk_size)
+        with_entropy: bool = False,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """float32 log p(target) [b, t], computed `chunk_size` tokens at a time (no [b, t, vocab] tensor);
+        with `with_entropy`, also each position's entropy [b, t]."""
+        return chunked_target_logprobs(self.logits, hidden_btd, targets_bt, adapter_indices_b, chunk_size,
+                                       with_entropy)

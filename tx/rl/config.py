@@ -331,9 +331,6 @@ class RLConfig(_Seed):
         if a.policy_loss_type not in algorithms.policy_loss_names():
             raise ValueError(f"trainer.algorithm.policy_loss_type={a.policy_loss_type!r} is not registered "
                              f"({', '.join(algorithms.policy_loss_names())})")
-        if a.use_entropy_loss:
-            raise ValueError("trainer.algorithm.use_entropy_loss: tx's training pass does not compute the "
-                             "full-vocabulary entropy yet; set it to false")
         if a.temperature != 1.0:
             raise ValueError(f"trainer.algorithm.temperature={a.temperature} (from generator.sampling_params."
                              "temperature): tx trains on untempered log-probs; sample at temperature 1.0")

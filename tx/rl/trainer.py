@@ -41,23 +41,26 @@ from tx.sft.data import load_rows
 from tx.sft.seed_config import lora_targets
 
 LATEST = "latest_ckpt_global_step.txt"
-EXTRA_INPUTS = ("ref_logprobs", "kl_weights", "rl_mask", "rl_selected")
+EXTRA_INPUTS = ("ref_logprobs", "kl_weights", "entropy_weights", "rl_mask", "rl_selected")
 
 
 def training_loss(policy_loss_type: str, kl_estimator: str) -> str:
-    """The name of the tx loss computing `policy_loss_type` + the KL term, registered on first use."""
+    """The name of the tx loss computing `policy_loss_type` + the KL and entropy terms, registered on first
+    use. It reads each position's entropy (so the pass returns it for the `policy_entropy` metric too)."""
     spec = algorithms.policy_loss(policy_loss_type)
     name = f"tx.rl.{policy_loss_type}.{kl_estimator}"
+    defaults = {**spec.params, "kl_loss_coef": 0.0, "entropy_loss_coef": 0.0}
 
     def loss(tlp, inputs, config):
         policy_inputs = {"old_logprobs": inputs["logprobs"], "advantages": inputs["advantages"],
                          "mask": inputs["rl_mask"], "selected": inputs["rl_selected"]}
         per_token = spec.fn(tlp, policy_inputs, {k: config[k] for k in spec.params})
         kl = algorithms.kl_estimate(kl_estimator, tlp, inputs["ref_logprobs"])
-        return inputs["weights"] * per_token + config["kl_loss_coef"] * inputs["kl_weights"] * kl
+        return (inputs["weights"] * per_token + config["kl_loss_coef"] * inputs["kl_weights"] * kl
+                - config["entropy_loss_coef"] * inputs["entropy_weights"] * inputs["entropy"])
 
-    if name not in losses.names() or losses.get(name).config_defaults != {**spec.params, "kl_loss_coef": 0.0}:
-        losses.register(name, loss, config_defaults={**spec.params, "kl_loss_coef": 0.0}, input_keys=EXTRA_INPUTS,
+    if name not in losses.names() or losses.get(name).config_defaults != defaults:
+        losses.register(name, loss, config_defaults=defaults, input_keys=EXTRA_INPUTS, needs_entropy=True,
                         replace=True)
     return name
 
@@ -316,6 +319,7 @@ class RLTrainer:
         m, old, adv = prep["mask"][idx], prep["old"], prep["advantages"]
         weights = algorithms.reduction_weights(a.loss_reduction, m, a.max_seq_len) * prep["tis"][idx]
         kl_weights = algorithms.sequence_mean_weights(m) if a.use_kl_loss else np.zeros_like(m)
+        entropy_weights = algorithms.reduction_weights("token_mean", m)  # SkyRL: the entropy's masked token mean
         selected = np.zeros_like(m)
         if a.policy_loss_type in ("clip_cov", "kl_cov"):
             selected = algorithms.select_cov_tokens(a.policy_loss_type, old[idx], adv[idx], m, run.loss_params, rng)
@@ -327,8 +331,10 @@ class RLTrainer:
                 "input_ids": full[:-1], "targets": full[1:], "weights": _per_target(tr, weights[j]),
                 "logprobs": _per_target(tr, old[i]), "advantages": _per_target(tr, adv[i]),
                 "extra": {"ref_logprobs": _per_target(tr, prep["ref"][i]), "kl_weights": _per_target(tr, kl_weights[j]),
-                          "rl_mask": _per_target(tr, m[j]), "rl_selected": _per_target(tr, selected[j])}})
-        config = {**run.loss_params, "kl_loss_coef": a.kl_loss_coef if a.use_kl_loss else 0.0}
+                          "entropy_weights": _per_target(tr, entropy_weights[j]), "rl_mask": _per_target(tr, m[j]),
+                          "rl_selected": _per_target(tr, selected[j])}})
+        config = {**run.loss_params, "kl_loss_coef": a.kl_loss_coef if a.use_kl_loss else 0.0,
+                  "entropy_loss_coef": a.entropy_loss_coef if a.use_entropy_loss else 0.0}
         return datums, run.loss_name, config
 
     def _update(self, by_run: dict[str, list[Trajectory]], prepared: dict[str, dict]) -> dict[str, dict[str, float]]:
@@ -356,15 +362,18 @@ class RLTrainer:
                         learning_rate=lr, beta1=opt.adam_betas[0], beta2=opt.adam_betas[1],
                         weight_decay=opt.weight_decay, grad_clip_norm=opt.max_grad_norm))).metrics["grad_norm"]
                     trajectories, prep = by_run[run.name], prepared[run.name]
-                    current = np.zeros_like(prep["mask"][idx])
+                    current, entropy = np.zeros_like(prep["mask"][idx]), np.zeros_like(prep["mask"][idx])
                     for j, (i, o) in enumerate(zip(idx, result.loss_fn_outputs)):
-                        p = len(trajectories[i].prompt_ids)
-                        current[j, :len(trajectories[i].response_ids)] = o["logprobs"].to_numpy()[p - 1:]
+                        p, n = len(trajectories[i].prompt_ids), len(trajectories[i].response_ids)
+                        current[j, :n] = o["logprobs"].to_numpy()[p - 1:]
+                        entropy[j, :n] = o["entropy"].to_numpy()[p - 1:]
                     a = run.cfg.trainer.algorithm
                     clip = algorithms.clip_fraction(a.policy_loss_type, current, prep["old"][idx], prep["advantages"][idx],
                                                     prep["mask"][idx], run.loss_params)
                     for key, value in (("policy/policy_loss", result.metrics["loss:sum"]), ("policy/grad_norm", grad_norm),
-                                       ("policy/clip_ratio", clip), ("policy/policy_lr", lr)):
+                                       ("policy/clip_ratio", clip), ("policy/policy_lr", lr),
+                                       ("policy/policy_entropy", float((entropy * prep["mask"][idx]).sum()
+                                                                       / max(prep["mask"][idx].sum(), 1)))):
                         sums[run.name].setdefault(key, []).append(value)
                 optimizer_step += 1
         return {name: {k: float(np.mean(v)) for k, v in s.items()} for name, s in sums.items()}
