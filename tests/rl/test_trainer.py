@@ -21,9 +21,10 @@ ROOT = Path(__file__).parents[2]
 EXAMPLE = ROOT / "examples/rl_tiny.yaml"
 
 
-def example(tmp_path, generator=None, runs=None, **trainer) -> RLConfig:
+def example(tmp_path, generator=None, runs=None, algorithm=None, **trainer) -> RLConfig:
     values = yaml.safe_load(EXAMPLE.read_text())
     values["runs"] = runs or []
+    values["trainer"]["algorithm"] |= algorithm or {}
     values["data"] = {k: [str(ROOT / p) for p in v] for k, v in values["data"].items()}
     values["trainer"] |= {"ckpt_path": str(tmp_path / "ckpts"), "export_path": str(tmp_path / "exports"), **trainer}
     values["generator"] |= generator or {}

@@ -1,10 +1,14 @@
 """tx.rl jobs over time and side by side: resuming from a checkpoint equals going on without a restart, and
-a job of two runs (different seeds, learning rates, ranks, losses) equals each run alone."""
+a job of two runs (different seeds, learning rates, ranks, losses) equals each run alone, and dynamic
+sampling draws more batches until the kept groups' rewards differ."""
+
+import json
 
 import numpy as np
 import pytest
 from pydantic import ValidationError
 
+import tx.rl
 from tests.rl.test_trainer import example
 from tx.models.adapters import get_adapter_weights
 from tx.rl.trainer import RLTrainer
@@ -54,3 +58,56 @@ def test_two_runs_in_one_job_equal_each_run_alone(tmp_path):
                 np.testing.assert_allclose(mine_w, theirs_w, rtol=0, atol=1e-5)
     with pytest.raises(ValidationError, match=r"runs\['a'\].trainer.train_batch_size: a run may only set"):
         example(tmp_path, runs=[{"name": "a", "trainer": {"train_batch_size": 4}}])
+
+
+@tx.rl.register_env("test_half_constant", replace=True)
+class HalfConstant(tx.rl.Env):
+    """Rows with extras['constant'] always score 0.5 (a group with no reward variance); others score the
+    parity of the reply's length (varies within a group)."""
+
+    def init(self, prompt, extras):
+        self.constant = bool(extras.get("constant"))
+        return prompt
+
+    def step(self, action):
+        return tx.rl.StepOutput(reward=0.5 if self.constant else float(len(action) % 2), done=True)
+
+
+def _half_constant_data(tmp_path, constant_every: int) -> str:
+    rows = [{"prompt": [{"role": "user", "content": f"Say something, {i}."}], "env_class": "test_half_constant",
+             "constant": i % constant_every == 0} for i in range(32)]
+    path = tmp_path / "half.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["filter", "replace"])
+def test_dynamic_sampling_keeps_groups_whose_rewards_differ(tmp_path, kind):
+    cfg = example(tmp_path, train_batch_size=4, policy_mini_batch_size=4, eval_before_train=False, eval_interval=-1,
+                  algorithm={"dynamic_sampling": {"type": kind, "min_replace_ratio": 0.3}})
+    cfg.data.train_data = [_half_constant_data(tmp_path, constant_every=2)]
+    trainer = RLTrainer(cfg)
+    record: dict = {}
+    by_run = trainer._collect(record)
+    trajectories = by_run["policy"]
+    groups: dict[int, list] = {}
+    for tr in trajectories:
+        groups.setdefault(tr.group, []).append(tr)
+    assert sorted(groups) == [0, 1, 2, 3] and all(len(g) == 8 for g in groups.values())
+    for members in groups.values():
+        assert len({tr.reward for tr in members}) > 1, [tr.reward for tr in members]
+    sampled = record["dynamic_sampling/sampled_batches"]
+    assert trainer.batches_used == sampled and (sampled >= 2 if kind == "filter" else sampled == 1)
+    if kind == "replace":  # the constant groups' rows became copies of good groups'
+        tokens = [tuple(tr.response_ids) for tr in trajectories]
+        assert len(set(tokens)) < len(tokens)
+    step = trainer.train_step()
+    assert step["step"] == 1 and np.isfinite(step["policy/grad_norm"])
+
+
+def test_dynamic_sampling_gives_up_after_max_sample_batches(tmp_path):
+    cfg = example(tmp_path, train_batch_size=4, policy_mini_batch_size=4, eval_before_train=False, eval_interval=-1,
+                  algorithm={"dynamic_sampling": {"type": "filter", "max_sample_batches": 3}})
+    cfg.data.train_data = [_half_constant_data(tmp_path, constant_every=1)]  # every group constant
+    with pytest.raises(RuntimeError, match=r"3 batches sampled \(max_sample_batches=3\)"):
+        RLTrainer(cfg)._collect({})

@@ -334,8 +334,6 @@ class RLConfig(_Seed):
         if a.temperature != 1.0:
             raise ValueError(f"trainer.algorithm.temperature={a.temperature} (from generator.sampling_params."
                              "temperature): tx trains on untempered log-probs; sample at temperature 1.0")
-        if a.dynamic_sampling.type is not None:
-            raise ValueError("trainer.algorithm.dynamic_sampling.type: not supported by tx.rl yet; set it to null")
         if g.sampling_params.logprobs == 0:
             raise ValueError("generator.sampling_params.logprobs=0: tx.rl trains on the sampler's log-probs (1)")
         if t.logger == "wandb":

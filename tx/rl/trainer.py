@@ -22,7 +22,7 @@ import json
 import math
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +169,10 @@ class RLTrainer:
         self.total_steps = self.steps_per_epoch * t.epochs
         self.optimizer_steps_per_step = (t.train_batch_size // t.policy_mini_batch_size) * t.update_epochs_per_batch
         self.global_step = 0
+        self.batches_used = 0  # data batches sampled so far: > global_step when dynamic sampling drew more
+        if len(self.runs) > 1 and any(r.cfg.trainer.algorithm.dynamic_sampling.type for r in self.runs):
+            raise ValueError("trainer.algorithm.dynamic_sampling: not with several runs (they share each step's "
+                             "rollouts, and each run would keep different prompts)")
         self.pool = EnvPool(int(cfg.environment.skyrl_gym.get("max_env_workers", 32)))
         env_configs = {k: v for k, v in cfg.environment.skyrl_gym.items() if isinstance(v, dict)}
         self.rollout_params = {
@@ -224,15 +228,16 @@ class RLTrainer:
 
     # ---- one step ----
 
-    def train_step(self) -> dict[str, Any]:
+    def train_step(self) -> dict[str, Any] | None:
         """One RL step of every run: their rollouts share sampling calls, their reference log-probs one forward,
-        their mini-batches one forward_backward each."""
+        their mini-batches one forward_backward each. None when the data ran out (dynamic sampling)."""
         timing: dict[str, float] = {}
         start = time.perf_counter()
-        by_run = rollout(self.backend, self.chat, {r.name: (r.cfg.trainer.seed, self.global_step) for r in self.runs},
-                         self.batch_rows(self.global_step), self.rollout_params["train"], self.pool)
-        timing["generate"] = time.perf_counter() - start
         record: dict[str, Any] = {"step": self.global_step + 1}
+        by_run = self._collect(record)
+        if by_run is None:
+            return None
+        timing["generate"] = time.perf_counter() - start
         phase = time.perf_counter()
         kl_runs = [r for r in self.runs if r.cfg.trainer.algorithm.use_kl_loss or r.cfg.trainer.algorithm.use_kl_in_reward]
         refs = self._reference_logprobs({r.name: by_run[r.name] for r in kl_runs}) if kl_runs else {}
@@ -255,6 +260,61 @@ class RLTrainer:
         record |= {f"timing/{k}": round(v, 4) for k, v in timing.items()}
         record |= {"timing/step": round(elapsed, 4), "tokens_per_s": round(tokens / elapsed, 1)}
         return record
+
+    def _collect(self, record: dict[str, Any]) -> dict[str, list[Trajectory]] | None:
+        """This step's episodes: the next data batch's, or with `dynamic_sampling` as many batches as it takes
+        (`filter`: keep the groups whose rewards differ until `train_batch_size` of them; `replace`: once more
+        than `min_replace_ratio` of a batch's groups are good, the others' rows become copies of good groups').
+        None when the data ran out first."""
+        def sample() -> dict[str, list[Trajectory]]:
+            seeds = {r.name: (r.cfg.trainer.seed, self.batches_used) for r in self.runs}
+            out = rollout(self.backend, self.chat, seeds, self.batch_rows(self.batches_used),
+                          self.rollout_params["train"], self.pool)
+            self.batches_used += 1
+            return out
+
+        if self.batches_used >= self.total_steps:
+            return None
+        ds = self.runs[0].cfg.trainer.algorithm.dynamic_sampling
+        if ds.type is None:
+            return sample()
+        run, size, n = self.runs[0], self.cfg.trainer.train_batch_size, self.cfg.generator.n_samples_per_prompt
+        kept: list[list[Trajectory]] = []
+        tries = 0
+        while self.batches_used < self.total_steps:
+            trajectories = sample()[run.name]
+            tries += 1
+            groups: dict[int, list[Trajectory]] = {}
+            for tr in trajectories:
+                groups.setdefault(tr.group, []).append(tr)
+            good_b = algorithms.dynamic_sampling_filter([tr.reward for tr in trajectories],
+                                                        [tr.group for tr in trajectories], n)
+            good_g = {tr.group for tr, ok in zip(trajectories, good_b) if ok}
+            good = [g for key, g in groups.items() if key in good_g]
+            if ds.type == "filter":
+                kept += good
+                if len(kept) >= size:
+                    kept = kept[:size]
+                    break
+            elif len(good) > len(groups) * ds.min_replace_ratio:
+                rng = np.random.default_rng([run.cfg.trainer.seed, self.batches_used, 2])
+                bad = [key for key in groups if key not in good_g]
+                picks = rng.choice(len(good), len(bad), replace=len(bad) > len(good))
+                for key, pick in zip(bad, picks):
+                    groups[key] = [replace(tr) for tr in good[pick]]
+                kept = list(groups.values())
+                break
+            if ds.max_sample_batches > 0 and tries >= ds.max_sample_batches:
+                raise RuntimeError(f"trainer.algorithm.dynamic_sampling: {tries} batches sampled "
+                                   f"(max_sample_batches={ds.max_sample_batches}) without enough prompts whose "
+                                   "rewards differ")
+        else:
+            return None
+        for group, members in enumerate(kept):
+            for tr in members:
+                tr.group = group
+        record[self._prefix(run) + "dynamic_sampling/sampled_batches"] = tries
+        return {run.name: [tr for members in kept for tr in members]}
 
     def _run(self, name: str) -> Run:
         return next(r for r in self.runs if r.name == name)
@@ -421,7 +481,8 @@ class RLTrainer:
         for run in self.runs:
             self.backend.save_checkpoint(step_dir / run.name, run.name)
         (step_dir / "trainer_state.json").write_text(json.dumps({
-            "global_step": self.global_step, "kl_coef": {r.name: r.kl_ctrl.value for r in self.runs},
+            "global_step": self.global_step, "batches_used": self.batches_used,
+            "kl_coef": {r.name: r.kl_ctrl.value for r in self.runs},
             "config": self.cfg.model_dump()}))
         (root / LATEST).write_text(str(self.global_step))  # last: a crash before it leaves the previous one
         if t.max_ckpts_to_keep > 0:
@@ -446,6 +507,7 @@ class RLTrainer:
             self.backend.load_checkpoint(target / run.name, run.name)
             run.kl_ctrl.value = state["kl_coef"][run.name]
         self.global_step = state["global_step"]
+        self.batches_used = state.get("batches_used", self.global_step)
 
     def export(self, path: Path) -> None:
         """Each run as a PEFT adapter at <path>/<run>/ (<path>/policy/ for a single run)."""
@@ -467,26 +529,29 @@ class RLTrainer:
         self.resume()
         if t.eval_before_train and self.global_step == 0 and self.val_rows:
             self.log(self.evaluate())
-        bar = tqdm(total=self.total_steps, initial=self.global_step, desc="rl", disable=None)
+        bar = tqdm(total=self.total_steps, initial=self.batches_used, desc="rl", unit="batch", disable=None)
         done = 0
         try:
-            while self.global_step < self.total_steps and (stop_after is None or done < stop_after):
+            while self.batches_used < self.total_steps and (stop_after is None or done < stop_after):
+                used = self.batches_used
                 record = self.train_step()
+                if record is None:  # dynamic sampling ran out of data
+                    break
                 done += 1
                 step = self.global_step
                 if t.ckpt_interval > 0 and step % t.ckpt_interval == 0:
                     self.save()
                 if t.hf_save_interval > 0 and step % t.hf_save_interval == 0:
                     self.export(Path(t.export_path).expanduser() / f"global_step_{step}")
-                if t.eval_interval > 0 and (step % t.eval_interval == 0 or step == self.total_steps):
+                if t.eval_interval > 0 and (step % t.eval_interval == 0 or self.batches_used >= self.total_steps):
                     record |= self.evaluate()
                 self.log(record)
-                bar.update(1)
+                bar.update(self.batches_used - used)
                 rewards = [v for k, v in record.items() if k.endswith("reward/avg_raw_reward")]
                 bar.set_postfix({"reward": round(float(np.mean(rewards)), 3), "tok/s": record["tokens_per_s"]})
         finally:
             bar.close()
-        if self.global_step < self.total_steps:
+        if self.batches_used < self.total_steps:
             return {"interrupted_at": self.global_step}
         if t.ckpt_interval > 0 and self.global_step % t.ckpt_interval:
             self.save()
