@@ -20,11 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from common import add_model_args
+from common import add_model_args, timed
 
 
 def decode_program(args, attention: bool):
@@ -80,14 +79,8 @@ def read_bandwidth(nbytes: int = 400_000_000) -> float:
     """Bytes per second read from memory: numpy sums of `nbytes`, split over every core, best of 3."""
     chunks = np.array_split(np.ones(nbytes // 4, np.float32), os.cpu_count() or 1)
     with ThreadPoolExecutor(len(chunks)) as pool:
-        best = min(_timed(lambda: list(pool.map(np.sum, chunks))) for _ in range(3))
+        best = min(timed(lambda: list(pool.map(np.sum, chunks))) for _ in range(3))
     return nbytes / best
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -108,7 +101,7 @@ def main() -> None:
     for name, attention in (("plain", True), ("no_attention", False)):
         run, tokens, caches = decode_program(args, attention)
         jax.block_until_ready(run(tokens, caches))
-        best = min(_timed(lambda: jax.block_until_ready(run(tokens, caches))) for _ in range(args.repeats))
+        best = min(timed(lambda: jax.block_until_ready(run(tokens, caches))) for _ in range(args.repeats))
         step_s[name] = best / args.steps
         print(json.dumps({"workload": f"decode_floor_{name}", "shapes": shapes, "step_time_s": round(step_s[name], 5),
                           "decode_tokens_per_s": round(args.batch / step_s[name], 1), "device": device}), flush=True)

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import PeakRSS, add_model_args, random_model
+from common import PeakRSS, add_model_args, random_model, timed
 
 RANK = 8
 
@@ -96,12 +96,6 @@ class HFRunner:
 
     def compiles(self) -> int:
         return 0
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def main() -> None:

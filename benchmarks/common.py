@@ -48,6 +48,13 @@ def random_model(args: argparse.Namespace) -> Iterator[tuple[Path, int]]:
         yield model_dir, sum(int(np.prod(files.shape(k))) for k in files.keys())
 
 
+def timed(fn) -> float:
+    """Seconds `fn()` takes."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 class PeakRSS:
     """Highest resident memory of this process while the block runs (sampled every 5 ms)."""
 

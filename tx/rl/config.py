@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tx.rl.algorithms import OffPolicyCorrection
 from tx.sft.seed_config import OptimizerConfig, SkyRLLoraConfig
 
 
@@ -82,21 +83,6 @@ class KLCtrlConfig(_Seed):
     horizon: int = Field(10000, gt=0)
 
 
-class OffPolicyCorrectionConfig(_Seed):
-    tis_ratio_type: Literal["token", "sequence"] | None = None
-    token_tis_ratio_clip_high: float = Field(2.0, gt=0)
-    sequence_tis_ratio_clip_high: float = Field(5.0, gt=0)
-    sequence_mask_metric: Literal["product", "geometric"] | None = None
-    geo_mask_high: float = 1.01
-    geo_mask_low: float = 0.99
-    product_mask_high: float = 2.0
-    product_mask_low: float = 0.5
-    outlier_token_is_threshold_low: float | None = None
-    outlier_token_is_threshold_high: float | None = None
-    token_mask_is_threshold_low: float | None = None
-    token_mask_is_threshold_high: float | None = None
-
-
 class SAPOConfig(_Seed):
     tau_pos: float = Field(1.0, gt=0)
     tau_neg: float = Field(1.05, gt=0)
@@ -147,7 +133,7 @@ class AlgorithmConfig(_Seed):
     clip_ratio_c: float = Field(3.0, gt=1)
     tis_imp_ratio_cap: float = -1.0
     use_tis: bool = False
-    off_policy_correction: OffPolicyCorrectionConfig = OffPolicyCorrectionConfig()
+    off_policy_correction: OffPolicyCorrection = OffPolicyCorrection()  # the seed's fields, validated
     sapo: SAPOConfig = SAPOConfig()
     value_clip: float = 0.2
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()

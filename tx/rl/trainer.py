@@ -119,12 +119,12 @@ class Run:
             for part in algorithms.POLICY_LOSS_PARAM_FIELDS.get(key, key).split("."):
                 node = getattr(node, part, None)
             params[key] = float(node) if node is not None else spec.params[key]
-        correction = a.off_policy_correction.model_dump()
-        if a.use_tis and correction["tis_ratio_type"] is None:  # the seed's deprecated spelling
-            correction |= {"tis_ratio_type": "token", "token_tis_ratio_clip_high": a.tis_imp_ratio_cap}
+        correction = a.off_policy_correction
+        if a.use_tis and correction.tis_ratio_type is None:  # the seed's deprecated spelling
+            correction = replace(correction, tis_ratio_type="token", token_tis_ratio_clip_high=a.tis_imp_ratio_cap)
         return cls(name, cfg, training_loss(a.policy_loss_type, a.kl_estimator_type), params,
                    algorithms.KLController(a.kl_ctrl.type, a.kl_loss_coef, a.kl_ctrl.kl_target, a.kl_ctrl.horizon),
-                   algorithms.OffPolicyCorrection(**correction))
+                   correction)
 
 
 class RLTrainer:
