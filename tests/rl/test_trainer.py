@@ -32,7 +32,7 @@ def example(tmp_path, generator=None, runs=None, algorithm=None, **trainer) -> R
     return RLConfig.model_validate(values)
 
 
-def test_example_learns_its_reward_and_kl_starts_at_zero(tmp_path, capsys):
+def test_example_learns_its_reward_kl_starts_at_zero_and_resume_is_exact(tmp_path, capsys):
     assert main(["--config", str(EXAMPLE), f"trainer.ckpt_path={tmp_path}/ck", f"trainer.export_path={tmp_path}/ex",
                  f"tx.metrics_file={tmp_path}/m.jsonl", "trainer.epochs=2"]) == 0
     records = [yaml.safe_load(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
@@ -47,6 +47,16 @@ def test_example_learns_its_reward_and_kl_starts_at_zero(tmp_path, capsys):
     assert evals[0]["step"] == 0 and evals[-1]["eval/all/avg_score"] > evals[0]["eval/all/avg_score"]
     assert (tmp_path / "ck/global_step_16/policy").is_dir() and (tmp_path / "ck/latest_ckpt_global_step.txt").read_text() == "16"
     assert (tmp_path / "ex/global_step_16/policy/adapter_model.safetensors").exists()
+    # resuming from the step-8 checkpoint gives the uninterrupted run's steps 9 and 10 (same data, same samples)
+    resumed = RLTrainer(example(tmp_path / "resumed", epochs=2, eval_before_train=False, eval_interval=-1,
+                                resume_mode="from_path", resume_path=str(tmp_path / "ck/global_step_8")))
+    resumed.resume()
+    assert resumed.global_step == 8
+    for want in steps[8:10]:
+        got = resumed.train_step()
+        assert got["step"] == want["step"]
+        for key in ("reward/avg_raw_reward", "policy/policy_loss", "policy/grad_norm", "policy/policy_kl"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
 
 
 @pytest.mark.parametrize("policy, kl", [("regular", "k3"), ("dual_clip", "k1"), ("cispo", "k2"), ("gspo", "abs")])
@@ -113,6 +123,20 @@ class CountTurns(tx.rl.Env):
         return tx.rl.StepOutput(observations=[{"role": "user", "content": "again"}], reward=0.25, done=False)
 
 
+@tx.rl.register_env("test_rewrites_prompt", replace=True)
+class RewritesPrompt(tx.rl.Env):
+    """Each episode sees its own prompt (a per-episode suffix), as envs that randomize their task do."""
+
+    count = 0
+
+    def init(self, prompt, extras):
+        RewritesPrompt.count += 1
+        return [{"role": "user", "content": prompt[-1]["content"] + f" (variant {RewritesPrompt.count % 3})"}]
+
+    def step(self, action):
+        return tx.rl.StepOutput(reward=1.0, done=True)
+
+
 def test_multi_turn_episodes_keep_sampled_and_observation_tokens_apart(tmp_path):
     from tx.rl.rollout import rollout
 
@@ -138,6 +162,19 @@ def test_multi_turn_episodes_keep_sampled_and_observation_tokens_apart(tmp_path)
                                                    "cross_entropy", None)]))["r"]
         lp = out.loss_fn_outputs[0]["logprobs"].to_numpy()[len(tr.prompt_ids) - 1:]
         np.testing.assert_allclose(lp[mask == 1], np.asarray(tr.logprobs)[mask == 1], atol=1e-4)
+
+    # episodes whose env rewrote the prompt are each sampled after their own prompt (not the group's first)
+    row = trainer.train_rows[2]
+    row.env_class = "test_rewrites_prompt"
+    trajectories = rollout(trainer.backend, trainer.chat, {"policy": (0, 0)}, [row], trainer.rollout_params["train"],
+                           trainer.pool)["policy"]
+    assert len({tuple(tr.prompt_ids) for tr in trajectories}) == 3
+    for tr in trajectories:
+        full = tr.prompt_ids + tr.response_ids
+        out = trainer.backend.forward(make_batch([("r", "policy", [{"input_ids": full[:-1], "targets": full[1:]}],
+                                                   "cross_entropy", None)]))["r"]
+        lp = out.loss_fn_outputs[0]["logprobs"].to_numpy()[len(tr.prompt_ids) - 1:]
+        np.testing.assert_allclose(lp, tr.logprobs, atol=1e-4)  # sampled after this very prompt
 
 
 @pytest.mark.parametrize("override, says", [
@@ -220,3 +257,5 @@ def test_user_env_estimator_and_policy_loss_from_a_module_in_the_config(tmp_path
     assert calls["loss_traces"] >= 1
     records = [yaml.safe_load(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert len([r for r in records if "policy/grad_norm" in r]) == 2
+
+

@@ -1,6 +1,6 @@
-"""tx.rl jobs over time and side by side: resuming from a checkpoint equals going on without a restart, and
-a job of two runs (different seeds, learning rates, ranks, losses) equals each run alone, and dynamic
-sampling draws more batches until the kept groups' rewards differ."""
+"""tx.rl jobs side by side and over several data batches: a job of two runs (different seeds, learning rates,
+ranks, losses) equals each run alone, and dynamic sampling draws more batches until the kept groups'
+rewards differ. (Exact resume: test_trainer.py's example test.)"""
 
 import json
 
@@ -14,24 +14,6 @@ from tx.models.adapters import get_adapter_weights
 from tx.rl.trainer import RLTrainer
 
 
-def test_resume_equals_the_uninterrupted_run(tmp_path):
-    """A trainer that stops after 2 steps and a new one resuming from its step-2 checkpoint give the same
-    steps 3 and 4 as the first trainer going on without a restart."""
-    common = {"epochs": 1, "train_batch_size": 16, "policy_mini_batch_size": 8, "ckpt_interval": 2,
-              "eval_before_train": False, "eval_interval": -1}
-    first = RLTrainer(example(tmp_path, **common))
-    assert first.fit(stop_after=2) == {"interrupted_at": 2}
-    resumed = RLTrainer(example(tmp_path, resume_mode="from_path", resume_path=str(tmp_path / "ckpts/global_step_2"),
-                                **common))
-    resumed.resume()
-    assert resumed.global_step == 2
-    for _ in range(2):
-        want, got = first.train_step(), resumed.train_step()
-        assert got["step"] == want["step"]
-        for key in ("reward/avg_raw_reward", "policy/policy_loss", "policy/grad_norm", "policy/policy_kl"):
-            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
-
-
 RUNS = [{"name": "a", "trainer": {"policy": {"optimizer_config": {"lr": 0.02}}}},
         {"name": "b", "trainer": {"seed": 1, "policy": {"optimizer_config": {"lr": 0.01}, "model": {"lora": {"rank": 4}}},
                                   "algorithm": {"policy_loss_type": "gspo", "loss_reduction": "sequence_mean",
@@ -42,7 +24,7 @@ def test_two_runs_in_one_job_equal_each_run_alone(tmp_path):
     common = {"epochs": 1, "eval_before_train": False, "eval_interval": -1, "ckpt_interval": -1, "hf_save_interval": -1}
     job = RLTrainer(example(tmp_path / "job", runs=RUNS, **common))
     alone = {run["name"]: RLTrainer(example(tmp_path / run["name"], runs=[run], **common)) for run in RUNS}
-    for _ in range(3):
+    for _ in range(2):
         together = job.train_step()
         for name, trainer in alone.items():
             single = trainer.train_step()
@@ -81,34 +63,31 @@ def _half_constant_data(tmp_path, constant_every: int) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("kind", ["filter", "replace"])
-def test_dynamic_sampling_keeps_groups_whose_rewards_differ(tmp_path, kind):
+def test_dynamic_sampling_keeps_groups_whose_rewards_differ(tmp_path):
     cfg = example(tmp_path, train_batch_size=4, policy_mini_batch_size=4, eval_before_train=False, eval_interval=-1,
-                  algorithm={"dynamic_sampling": {"type": kind, "min_replace_ratio": 0.3}})
+                  algorithm={"dynamic_sampling": {"type": "filter", "min_replace_ratio": 0.3, "max_sample_batches": 3}})
     cfg.data.train_data = [_half_constant_data(tmp_path, constant_every=2)]
     trainer = RLTrainer(cfg)
-    record: dict = {}
-    by_run = trainer._collect(record)
-    trajectories = by_run["policy"]
-    groups: dict[int, list] = {}
-    for tr in trajectories:
-        groups.setdefault(tr.group, []).append(tr)
-    assert sorted(groups) == [0, 1, 2, 3] and all(len(g) == 8 for g in groups.values())
-    for members in groups.values():
-        assert len({tr.reward for tr in members}) > 1, [tr.reward for tr in members]
-    sampled = record["dynamic_sampling/sampled_batches"]
-    assert trainer.batches_used == sampled and (sampled >= 2 if kind == "filter" else sampled == 1)
-    if kind == "replace":  # the constant groups' rows became copies of good groups'
-        tokens = [tuple(tr.response_ids) for tr in trajectories]
-        assert len(set(tokens)) < len(tokens)
-    if kind == "filter":  # a step trains on what was kept (one compile of the training pass is enough here)
-        step = trainer.train_step()
-        assert step["step"] == 1 and np.isfinite(step["policy/grad_norm"]) and trainer.batches_used > sampled
-
-
-def test_dynamic_sampling_gives_up_after_max_sample_batches(tmp_path):
-    cfg = example(tmp_path, train_batch_size=4, policy_mini_batch_size=4, eval_before_train=False, eval_interval=-1,
-                  algorithm={"dynamic_sampling": {"type": "filter", "max_sample_batches": 3}})
-    cfg.data.train_data = [_half_constant_data(tmp_path, constant_every=1)]  # every group constant
+    ds = trainer.runs[0].cfg.trainer.algorithm.dynamic_sampling
+    for kind in ("filter", "replace"):
+        ds.type = kind
+        ds.min_replace_ratio = 0.0  # replace: any batch with a good group is used, bad groups copy good ones
+        used, record = trainer.batches_used, {}
+        trajectories = trainer._collect(record)["policy"]
+        groups: dict[int, list] = {}
+        for tr in trajectories:
+            groups.setdefault(tr.group, []).append(tr)
+        assert sorted(groups) == [0, 1, 2, 3] and all(len(g) == 8 for g in groups.values())
+        for members in groups.values():
+            assert len({tr.reward for tr in members}) > 1, [tr.reward for tr in members]
+        sampled = record["dynamic_sampling/sampled_batches"]
+        assert trainer.batches_used - used == sampled and (sampled >= 2 if kind == "filter" else sampled == 1)
+        if kind == "replace" and any(tr.reward == 0.5 for tr in trajectories):
+            raise AssertionError("a constant group was kept")
+    step = trainer.train_step()  # a step trains on what was kept
+    assert step["step"] == 1 and np.isfinite(step["policy/grad_norm"])
+    for row in trainer.train_rows:  # every group constant: give up after max_sample_batches
+        row.extras["constant"] = True
+    ds.type = "filter"
     with pytest.raises(RuntimeError, match=r"3 batches sampled \(max_sample_batches=3\)"):
-        RLTrainer(cfg)._collect({})
+        trainer._collect({})

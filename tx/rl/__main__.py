@@ -5,9 +5,10 @@ The config keeps SkyRL's names and nesting: `data.{train_data,val_data}`, `train
 loss_reduction, use_kl_loss, kl_estimator_type, off_policy_correction, ...), `trainer.{epochs,
 train_batch_size, policy_mini_batch_size, update_epochs_per_batch, eval_interval, ckpt_path, ...}`,
 `generator.{n_samples_per_prompt, max_turns, sampling_params, ...}`, `environment.env_class`.
-`environment.imports` lists modules that register user envs, policy losses or advantage estimators; `tx:`
-holds tx-only settings (metrics_file, max_num_seqs, micro_batch_tokens, ...). Fields that only steer Ray,
-vLLM, Megatron or PyTorch FSDP are refused with the reason.
+`environment.imports` lists modules that register user envs, policy losses or advantage estimators;
+`runs: [{name, trainer: {...}}]` trains several runs (seeds, learning rates, ranks, algorithms) on one base
+model in shared batches; `tx:` holds tx-only settings (metrics_file, max_num_seqs, micro_batch_tokens, ...).
+Fields that only steer Ray, vLLM, Megatron or PyTorch FSDP are refused with the reason.
 
 Overrides use dotted keys, values parsed as YAML: `trainer.train_batch_size=8`,
 `trainer.algorithm.policy_loss_type=gspo`, `generator.sampling_params.max_generate_length=64`.

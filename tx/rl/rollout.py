@@ -160,6 +160,10 @@ def rollout(backend, chat: ChatTokens, models: dict[str, tuple[int, ...]], rows:
         pool.map_close(envs)
     out: dict[str, list[Trajectory]] = {model_id: [] for model_id in models}
     for t in trajectories:
+        # an episode stopped by a length limit after an observation ends with that observation: drop it
+        # (nothing trains on it), as SkyRL trims after the last sampled token
+        last = max((j for j, m in enumerate(t.loss_mask) if m), default=-1) + 1
+        del t.response_ids[last:], t.loss_mask[last:], t.logprobs[last:]
         out[t.model_id].append(t)
     return out
 
@@ -167,12 +171,13 @@ def rollout(backend, chat: ChatTokens, models: dict[str, tuple[int, ...]], rows:
 def _sample(backend, trajectories: list[Trajectory], live: list[int], params: RolloutParams,
             turn: int) -> list[types.GeneratedSequence]:
     """One backend call for every live episode's next turn; the first turn asks each (model, prompt) once for
-    its `n` samples (one prefill, shared pages). Request seeds come from the model's seed, the turn and the
-    episode's place within its model's batch."""
+    its samples (one prefill, shared pages; episodes whose env rewrote the prompt differently go apart).
+    Request seeds come from the model's seed, the turn and the first episode's place within its model's batch."""
     by_key: dict[tuple, list[int]] = {}
     for i in live:
         t = trajectories[i]
-        by_key.setdefault((t.model_id, t.group) if turn == 0 else (t.model_id, i), []).append(i)
+        key = (t.model_id, t.group, tuple(t.prompt_ids)) if turn == 0 else (t.model_id, i)
+        by_key.setdefault(key, []).append(i)
     first_of_model = {}
     for i, t in enumerate(trajectories):
         first_of_model.setdefault(t.model_id, i)
@@ -180,7 +185,7 @@ def _sample(backend, trajectories: list[Trajectory], live: list[int], params: Ro
     for r, members in enumerate(groups):
         t = trajectories[members[0]]
         ids = t.prompt_ids + t.response_ids
-        place = t.group if turn == 0 else members[0] - first_of_model[t.model_id]
+        place = members[0] - first_of_model[t.model_id]
         sp = params.sampling.model_copy(update={"seed": _seed(*t.seed, turn, place),
                                                 "max_tokens": min(params.sampling.max_tokens, params.max_seq_len - len(ids))})
         start = len(prompts)

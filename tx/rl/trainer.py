@@ -1,19 +1,21 @@
-"""The RL loop on the tx backend: sample with the adapter being trained, score in envs, train, repeat.
+"""The RL loop on the tx backend: sample with the adapters being trained, score in envs, train, repeat.
 
-One training step (SkyRL's order, seed names):
-1. `trainer.train_batch_size` prompts (a seeded permutation per epoch: step N always sees the same rows,
-   so resuming is exact), `generator.n_samples_per_prompt` episodes each, sampled with the policy's current
-   LoRA weights (no weight sync, no second engine; the sampler's log-probs are the "old" log-probs);
+One training step (SkyRL's order, seed names), for every run of the job at once:
+1. the next data batch of `trainer.train_batch_size` prompts (a seeded permutation per epoch: data batch N
+   is always the same rows, so resuming is exact; `dynamic_sampling` may draw several),
+   `generator.n_samples_per_prompt` episodes each, sampled with each run's current LoRA weights (no weight
+   sync, no second engine; the sampler's log-probs are the "old" log-probs);
 2. rewards from the envs (`zero_reward_on_non_stop`, `apply_overlong_filtering`, `zero_variance_filter`);
 3. reference log-probs from the base model, adapter slot 0, in one forward (`use_kl_loss` /
    `use_kl_in_reward`; no copy of the weights);
 4. advantages (`advantage_estimator`, `advantage_batch_normalize`), off-policy correction;
 5. `update_epochs_per_batch` passes over the batch in mini-batches of `policy_mini_batch_size` prompts:
-   one forward_backward of the policy loss (+ KL) per mini-batch, then an AdamW step.
+   one forward_backward per mini-batch (a request per run), then an AdamW step per run.
 
 The per-token objective is one registered tx loss per (policy loss, KL estimator): `weights * policy_loss
-+ kl_loss_coef * kl_weights * kl(logprobs, ref_logprobs)`, where `weights` carry the `loss_reduction`
-over the mini-batch and the TIS factors, and `kl_weights` the KL term's sequence mean (SkyRL's).
++ kl_loss_coef * kl_weights * kl(logprobs, ref_logprobs) - entropy_loss_coef * entropy_weights * entropy`,
+where `weights` carry the `loss_reduction` over the mini-batch and the TIS factors, `kl_weights` the KL
+term's sequence mean (SkyRL's) and `entropy_weights` the entropy's masked token mean.
 """
 
 from __future__ import annotations
