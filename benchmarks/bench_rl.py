@@ -103,10 +103,10 @@ def run_shape(shape: str, model_path: str, params: int | None, args: argparse.Na
         for _ in range(steps):
             records.append(trainer.train_step())
             if compiles_after_first is None:
-                compiles_after_first = sum(trainer.backend.metrics.compiles.values())
-        compiles = dict(trainer.backend.metrics.compiles)
-        model_dir = Path(trainer.backend.model_dir)
-        model_cfg = trainer.backend.model.config
+                compiles_after_first = sum(trainer.policy.backend.metrics.compiles.values())
+        compiles = dict(trainer.policy.backend.metrics.compiles)
+        model_dir = Path(trainer.policy.backend.model_dir)
+        model_cfg = trainer.policy.backend.model.config
         prompt_tokens = len(trainer.chat.prompt(trainer.train_rows[0].prompt))
         del trainer
     params = params if params is not None else param_count(model_dir)

@@ -45,14 +45,16 @@ class LossSpec:
     multi_target: bool = False
     input_keys: tuple[str, ...] = ()  # extra per-token float inputs it reads
     needs_entropy: bool = False  # reads inputs["entropy"]: each position's entropy, with its gradient
+    check: Callable[[Mapping[str, float]], None] | None = None  # raises ValueError on a bad config
 
 
 _REGISTRY: dict[str, LossSpec] = {}
+_VERSION = [0]  # bumped on every register: compiled passes key on it, so a replaced loss is re-traced
 
 
 def register(name: str, fn: LossFn | None = None, *, config_defaults: Mapping[str, float] | None = None,
              replace: bool = False, multi_target: bool = False, input_keys: Sequence[str] = (),
-             needs_entropy: bool = False):
+             needs_entropy: bool = False, check: Callable[[Mapping[str, float]], None] | None = None):
     """Register `fn` under `name` (use as `@register("name")` or `register("name", fn)`).
 
     `config_defaults` lists every `loss_fn_config` key the loss accepts, with its default; requests with
@@ -60,7 +62,8 @@ def register(name: str, fn: LossFn | None = None, *, config_defaults: Mapping[st
     docstring). `input_keys` names the extra per-token float inputs the loss reads. `needs_entropy` asks the
     training pass for `inputs["entropy"]`, the entropy of each position's next-token distribution (computed
     from the same logits chunks as the log-probs, differentiable; only in passes with such a loss's rows).
-    Re-registering a name raises unless `replace=True`."""
+    `check(config)` may refuse a resolved config the defaults cannot express (raise ValueError naming the key
+    and value): the request then fails alone. Re-registering a name raises unless `replace=True`."""
     for key in input_keys:
         if not key.isidentifier() or key in INPUT_KEYS or key == "target_tokens":
             raise ValueError(f"loss {name!r}: input key {key!r} must be an identifier other than "
@@ -69,7 +72,9 @@ def register(name: str, fn: LossFn | None = None, *, config_defaults: Mapping[st
     def add(f: LossFn) -> LossFn:
         if name in _REGISTRY and not replace:
             raise ValueError(f"loss {name!r} is already registered (pass replace=True to override)")
-        _REGISTRY[name] = LossSpec(name, f, dict(config_defaults or {}), multi_target, tuple(input_keys), needs_entropy)
+        _REGISTRY[name] = LossSpec(name, f, dict(config_defaults or {}), multi_target, tuple(input_keys), needs_entropy,
+                                   check)
+        _VERSION[0] += 1
         return f
 
     return add(fn) if fn is not None else add
@@ -83,6 +88,11 @@ def get(name: str) -> LossSpec:
 
 def names() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
+
+
+def version() -> int:
+    """Changes whenever a loss is (re-)registered: part of every compiled pass's cache key."""
+    return _VERSION[0]
 
 
 def config_keys() -> tuple[str, ...]:
@@ -101,7 +111,10 @@ def resolve_config(name: str, config: Mapping[str, float] | None) -> dict[str, f
     if unknown:
         allowed = ", ".join(sorted(spec.config_defaults)) or "none"
         raise ValueError(f"loss_fn_config key {unknown[0]!r} is not accepted by loss {name!r} (accepted: {allowed})")
-    return {**spec.config_defaults, **(config or {})}
+    resolved = {**spec.config_defaults, **(config or {})}
+    if spec.check is not None:
+        spec.check(resolved)
+    return resolved
 
 
 def per_token_losses(

@@ -15,6 +15,7 @@ channel (TCP, `--control-port`, default coordinator port + 1; peers prove a shar
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -54,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--extra-base-model", action="append", default=[],
                    help="another base model to serve beside --base-model (repeatable): its own adapter slots, "
                         "on the same devices; requests choose it by base_model")
+    m.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import MODULE on every process before serving (repeatable): modules that register losses, "
+                        "e.g. `--import tx.rl` for the RL trainer's objective (python -m tx.rl --base-url)")
     m.add_argument("--backend-config", default="{}", help="JaxBackendConfig as JSON (flags below override it)")
     add_config_flags(m, JaxBackendConfig, skip=("coordinator_address", "num_processes"))
     j = p.add_argument_group("job (process 0)")
@@ -224,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     config = backend_config(args, parser)
     models = base_models(args, parser)
     service = service_configs(args, parser)
+    for module in args.imports:  # every process: the hosts must hold the same losses (checked at connect)
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            parser.error(f"--import {module}: {e}")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s", force=True)
     control = None

@@ -15,7 +15,8 @@ import tx.rl
 from tests.helpers import make_batch
 from tx.rl.__main__ import load_config, main
 from tx.rl.config import RLConfig
-from tx.rl.trainer import RLTrainer, training_loss
+from tx.rl import objective
+from tx.rl.trainer import RLTrainer
 
 ROOT = Path(__file__).parents[2]
 EXAMPLE = ROOT / "examples/rl_tiny.yaml"
@@ -59,53 +60,68 @@ def test_example_learns_its_reward_kl_starts_at_zero_and_resume_is_exact(tmp_pat
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
 
 
-@pytest.mark.parametrize("policy, kl", [("regular", "k3"), ("dual_clip", "k1"), ("cispo", "k2"), ("gspo", "abs")])
-def test_training_loss_equals_numpy(tiny_dirs, policy, kl):
-    """forward's elementwise loss = weights * policy loss + coef * kl_weights * kl, each from the seed's formula
-    in numpy on the log-probs forward returns."""
+PAIRS = [("regular", "k3"), ("dual_clip", "k1"), ("cispo", "k2"), ("gspo", "abs")]
+
+
+def test_objective_equals_numpy(tiny_dirs):
+    """forward's elementwise loss = weights * policy loss + coef * kl_weights * kl - coef * entropy_weights * H,
+    each from the seed's formula in numpy on the log-probs forward returns; one call mixes four (policy loss, KL
+    estimator) pairs, each request choosing its own through the objective's config."""
     backend = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(max_lora_adapters=2, max_lora_rank=4, max_seq_len=32))
     backend.create_model("p", tx.types.LoraConfig(rank=4))
-    name = training_loss(policy, kl)
     rng = np.random.default_rng(0)
-    lengths = [9, 5]
-    datums, extra = [], {k: [] for k in ("ref_logprobs", "kl_weights", "entropy_weights", "rl_mask", "rl_selected")}
-    for n in lengths:
-        seq = rng.integers(0, 512, n + 1)
-        mask = (rng.uniform(size=n) < 0.8).astype(float)
-        datums.append({"input_ids": seq[:-1].tolist(), "targets": seq[1:].tolist(),
-                       "weights": (mask * rng.uniform(0.1, 1, n)).tolist(), "logprobs": rng.uniform(-8, -4, n).tolist(),
-                       "advantages": rng.normal(size=n).tolist()})
-        extra["ref_logprobs"].append(rng.uniform(-8, -4, n).tolist())
-        extra["kl_weights"].append((mask * 0.05).tolist())
-        extra["entropy_weights"].append((mask * 0.1).tolist())
-        extra["rl_mask"].append(mask.tolist())
-        extra["rl_selected"].append([0.0] * n)
     params = {"eps_clip_low": 0.2, "eps_clip_high": 0.28, "clip_ratio_c": 3.0, "cispo_eps_clip_low": 0.0,
               "cispo_eps_clip_high": 5.0}
-    config = {k: v for k, v in params.items() if k in tx.losses.get(name).config_defaults} | {
-        "kl_loss_coef": 0.3, "entropy_loss_coef": 0.02}
-    out = backend.forward(make_batch([("r", "p", datums, name, config)], all_extra_inputs=extra))["r"]
-    for i, (d, o) in enumerate(zip(datums, out.loss_fn_outputs)):
-        lp = o["logprobs"].to_numpy().astype(np.float64)
-        old, adv, w = (np.asarray(d[k]) for k in ("logprobs", "advantages", "weights"))
-        ref, klw, m = (np.asarray(extra[k][i]) for k in ("ref_logprobs", "kl_weights", "rl_mask"))
-        ratio = np.exp(lp - old)
-        lo, hi = 1 - params["eps_clip_low"], 1 + params["eps_clip_high"]
-        if policy == "gspo":
-            seq = np.exp((m * (lp - old)).sum() / max(m.sum(), 1))
-            ratio = np.full_like(lp, min(seq, np.exp(10)))
-        if policy == "cispo":
-            pg = -adv * np.clip(ratio, 1 - params["cispo_eps_clip_low"], 1 + params["cispo_eps_clip_high"]) * lp
-        else:
-            pg = np.maximum(-adv * ratio, -adv * np.clip(ratio, lo, hi))
-            if policy == "dual_clip":
-                pg = np.where(adv < 0, np.minimum(-adv * params["clip_ratio_c"], pg), pg)
-        d_ = ref - lp
-        kl_t = {"k1": lp - ref, "k2": 0.5 * (lp - ref) ** 2, "abs": np.abs(lp - ref),
-                "k3": np.clip(np.exp(np.clip(d_, -20, 20)) - np.clip(d_, -20, 20) - 1, -10, 10)}[kl]
-        # each position's entropy: checked against torch in tests/backends/test_jax_backend.py
-        want = w * pg + 0.3 * klw * kl_t - 0.02 * np.asarray(extra["entropy_weights"][i]) * o["entropy"].to_numpy()
-        np.testing.assert_allclose(o["elementwise_loss"].to_numpy(), want, rtol=2e-5, atol=1e-6)
+    requests, extra = [], {k: [] for k in objective.EXTRA_INPUTS}
+    for r, (policy, kl) in enumerate(PAIRS):
+        datums = []
+        for n in (9, 5):
+            seq = rng.integers(0, 512, n + 1)
+            mask = (rng.uniform(size=n) < 0.8).astype(float)
+            datums.append({"input_ids": seq[:-1].tolist(), "targets": seq[1:].tolist(),
+                           "weights": (mask * rng.uniform(0.1, 1, n)).tolist(),
+                           "logprobs": rng.uniform(-8, -4, n).tolist(), "advantages": rng.normal(size=n).tolist()})
+            extra["ref_logprobs"].append(rng.uniform(-8, -4, n).tolist())
+            extra["kl_weights"].append((mask * 0.05).tolist())
+            extra["entropy_weights"].append((mask * 0.1).tolist())
+            extra["rl_mask"].append(mask.tolist())
+            extra["rl_selected"].append([0.0] * n)
+        spec = tx.rl.algorithms.policy_loss(policy)
+        config = objective.objective_config(policy, kl, {k: v for k, v in params.items() if k in spec.params}, 0.3, 0.02)
+        requests.append((f"r{r}", "p", datums, objective.OBJECTIVE, config))
+    out = backend.forward(make_batch(requests, all_extra_inputs=extra))
+    i = 0
+    for (policy, kl), (request_id, _, datums, _, _) in zip(PAIRS, requests):
+        for d, o in zip(datums, out[request_id].loss_fn_outputs):
+            lp = o["logprobs"].to_numpy().astype(np.float64)
+            old, adv, w = (np.asarray(d[k]) for k in ("logprobs", "advantages", "weights"))
+            ref, klw, m = (np.asarray(extra[k][i]) for k in ("ref_logprobs", "kl_weights", "rl_mask"))
+            ratio = np.exp(lp - old)
+            lo, hi = 1 - params["eps_clip_low"], 1 + params["eps_clip_high"]
+            if policy == "gspo":
+                seq = np.exp((m * (lp - old)).sum() / max(m.sum(), 1))
+                ratio = np.full_like(lp, min(seq, np.exp(10)))
+            if policy == "cispo":
+                pg = -adv * np.clip(ratio, 1 - params["cispo_eps_clip_low"], 1 + params["cispo_eps_clip_high"]) * lp
+            else:
+                pg = np.maximum(-adv * ratio, -adv * np.clip(ratio, lo, hi))
+                if policy == "dual_clip":
+                    pg = np.where(adv < 0, np.minimum(-adv * params["clip_ratio_c"], pg), pg)
+            d_ = ref - lp
+            kl_t = {"k1": lp - ref, "k2": 0.5 * (lp - ref) ** 2, "abs": np.abs(lp - ref),
+                    "k3": np.clip(np.exp(np.clip(d_, -20, 20)) - np.clip(d_, -20, 20) - 1, -10, 10)}[kl]
+            # each position's entropy: checked against torch in tests/backends/test_jax_backend.py
+            want = w * pg + 0.3 * klw * kl_t - 0.02 * np.asarray(extra["entropy_weights"][i]) * o["entropy"].to_numpy()
+            np.testing.assert_allclose(o["elementwise_loss"].to_numpy(), want, rtol=2e-5, atol=1e-6, err_msg=policy)
+            i += 1
+
+
+def test_objective_refuses_an_unknown_policy_loss_id():
+    config = objective.objective_config("regular", "k3", {}, 0.0, 0.0)
+    with pytest.raises(ValueError, match=r"loss_fn_config\['policy_loss'\]=123.0 names no policy loss"):
+        tx.losses.resolve_config(objective.OBJECTIVE, {**config, "policy_loss": 123.0})
+    with pytest.raises(ValueError, match=r"'kl_estimator'\]=7.0 is not an index"):
+        tx.losses.resolve_config(objective.OBJECTIVE, {**config, "kl_estimator": 7.0})
 
 
 @tx.rl.register_env("test_count_turns", replace=True)
@@ -146,7 +162,7 @@ def test_multi_turn_episodes_keep_sampled_and_observation_tokens_apart(tmp_path)
     for row in rows:
         row.env_class = "test_count_turns"
     params = trainer.rollout_params["train"]
-    trajectories = rollout(trainer.backend, trainer.chat, {"policy": (0, 0)}, rows, params, trainer.pool)["policy"]
+    trajectories = rollout(trainer.policy, trainer.chat, {"policy": (0, 0)}, rows, params, trainer.pool)["policy"]
     assert len(trajectories) == 2 * params.n_samples
     tokenizer = trainer.chat.tokenizer
     for tr in trajectories:
@@ -158,7 +174,7 @@ def test_multi_turn_episodes_keep_sampled_and_observation_tokens_apart(tmp_path)
         assert all(mask[p] == 1 for p in tr.reward_positions)
         # sampled tokens' log-probs are forward's under the same weights
         full = tr.prompt_ids + tr.response_ids
-        out = trainer.backend.forward(make_batch([("r", "policy", [{"input_ids": full[:-1], "targets": full[1:]}],
+        out = trainer.policy.backend.forward(make_batch([("r", "policy", [{"input_ids": full[:-1], "targets": full[1:]}],
                                                    "cross_entropy", None)]))["r"]
         lp = out.loss_fn_outputs[0]["logprobs"].to_numpy()[len(tr.prompt_ids) - 1:]
         np.testing.assert_allclose(lp[mask == 1], np.asarray(tr.logprobs)[mask == 1], atol=1e-4)
@@ -166,12 +182,12 @@ def test_multi_turn_episodes_keep_sampled_and_observation_tokens_apart(tmp_path)
     # episodes whose env rewrote the prompt are each sampled after their own prompt (not the group's first)
     row = trainer.train_rows[2]
     row.env_class = "test_rewrites_prompt"
-    trajectories = rollout(trainer.backend, trainer.chat, {"policy": (0, 0)}, [row], trainer.rollout_params["train"],
+    trajectories = rollout(trainer.policy, trainer.chat, {"policy": (0, 0)}, [row], trainer.rollout_params["train"],
                            trainer.pool)["policy"]
     assert len({tuple(tr.prompt_ids) for tr in trajectories}) == 3
     for tr in trajectories:
         full = tr.prompt_ids + tr.response_ids
-        out = trainer.backend.forward(make_batch([("r", "policy", [{"input_ids": full[:-1], "targets": full[1:]}],
+        out = trainer.policy.backend.forward(make_batch([("r", "policy", [{"input_ids": full[:-1], "targets": full[1:]}],
                                                    "cross_entropy", None)]))["r"]
         lp = out.loss_fn_outputs[0]["logprobs"].to_numpy()[len(tr.prompt_ids) - 1:]
         np.testing.assert_allclose(lp, tr.logprobs, atol=1e-4)  # sampled after this very prompt

@@ -32,9 +32,9 @@ def test_two_runs_in_one_job_equal_each_run_alone(tmp_path):
                 assert together[f"{name}/{key}"] == pytest.approx(single[f"{name}/{key}"], rel=1e-5, abs=1e-7), key
     assert together["a/reward/avg_raw_reward"] != together["b/reward/avg_raw_reward"]
     for name, trainer in alone.items():
-        mine, theirs = (t.backend.models[name] for t in (job, trainer))
-        a = get_adapter_weights(job.backend.model, mine.adapter_index, mine.lora_config.rank)
-        b = get_adapter_weights(trainer.backend.model, theirs.adapter_index, theirs.lora_config.rank)
+        mine, theirs = (t.policy.backend.models[name] for t in (job, trainer))
+        a = get_adapter_weights(job.policy.backend.model, mine.adapter_index, mine.lora_config.rank)
+        b = get_adapter_weights(trainer.policy.backend.model, theirs.adapter_index, theirs.lora_config.rank)
         for key in a:
             for mine_w, theirs_w in zip(a[key], b[key]):
                 np.testing.assert_allclose(mine_w, theirs_w, rtol=0, atol=1e-5)

@@ -247,7 +247,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         loss_names = losses.names()
         with_entropy = any(losses.get(loss_names[r.loss_index]).needs_entropy for r in rows)
         fns = {
-            mode: self._fn((mode, loss_names, losses.config_keys(), extra_keys, with_entropy),
+            mode: self._fn((mode, loss_names, losses.version(), losses.config_keys(), extra_keys, with_entropy),
                            lambda mode=mode: make_model_pass(graphdef, self.config.loss_chunk_size, mode,
                                                              self._counted(name), self._grad_dtype, extra_keys,
                                                              with_entropy))

@@ -8,11 +8,14 @@
         def step(self, action): return tx.rl.StepOutput(reward=float("42" in action), done=True)
 
 Policy losses and advantage estimators register the same way (`tx.rl.register_policy_loss`,
-`tx.rl.register_advantage_estimator`); list the module in the config's `environment.imports`.
+`tx.rl.register_advantage_estimator`); list the module in the config's `environment.imports`. A server the
+trainer drives through `--base-url` runs `python -m tx.run --import tx.rl` (and `--import` your module), so it
+holds the RL objective and the same policy losses.
 """
 
 from tx.rl.algorithms import register_advantage_estimator, register_policy_loss
 from tx.rl.env import Env, StepOutput, make_env, register_env
+from tx.rl import objective  # noqa: F401  registers the "tx.rl" loss
 
 __all__ = ["Env", "StepOutput", "register_env", "make_env", "register_policy_loss", "register_advantage_estimator",
            "RLConfig", "RLTrainer"]

@@ -8,6 +8,8 @@ train_batch_size, policy_mini_batch_size, update_epochs_per_batch, eval_interval
 `environment.imports` lists modules that register user envs, policy losses or advantage estimators;
 `runs: [{name, trainer: {...}}]` trains several runs (seeds, learning rates, ranks, algorithms) on one base
 model in shared batches; `tx:` holds tx-only settings (metrics_file, max_num_seqs, micro_batch_tokens, ...).
+`--base-url http://HOST:PORT` trains on a running `python -m tx.run --import tx.rl` server through the tinker SDK
+(key from TINKER_API_KEY) instead of in this process: the same trainer, the same numbers.
 Fields that only steer Ray, vLLM, Megatron or PyTorch FSDP are refused with the reason.
 
 Overrides use dotted keys, values parsed as YAML: `trainer.train_batch_size=8`,
@@ -51,8 +53,11 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML file of SkyRLTrainConfig fields")
+    parser.add_argument("--base-url", help="a tx.run server to train on (same as tx.base_url=URL)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides (dotted keys)")
     args = parser.parse_args(argv)
+    if args.base_url:
+        args.overrides.append(f"tx.base_url={args.base_url}")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     try:
         cfg = load_config(args.config, args.overrides)

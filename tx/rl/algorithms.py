@@ -298,6 +298,11 @@ class PolicyLossSpec:
 
 
 _POLICY_LOSSES: dict[str, PolicyLossSpec] = {}
+_ON_POLICY_LOSS: list[Callable[[], None]] = []  # called after each registration (the device objective follows)
+
+
+def on_policy_loss_registered(callback: Callable[[], None]) -> None:
+    _ON_POLICY_LOSS.append(callback)
 
 
 def register_policy_loss(name: str, fn: PolicyLossFn | None = None, *, params: Mapping[str, float] | None = None,
@@ -310,6 +315,8 @@ def register_policy_loss(name: str, fn: PolicyLossFn | None = None, *, params: M
         if name in _POLICY_LOSSES and not replace:
             raise ValueError(f"policy loss {name!r} is already registered (pass replace=True to override)")
         _POLICY_LOSSES[name] = PolicyLossSpec(name, f, dict(params or {}))
+        for callback in _ON_POLICY_LOSS:
+            callback()
         return f
 
     return add(fn) if fn is not None else add

@@ -216,6 +216,8 @@ class TxSettings(_Seed):
                                            "(default: the backend's)")
     max_num_seqs: int | None = Field(None, ge=1, description="decode slots of the sampling engine")
     loss_chunk_size: int = Field(1024, ge=1)
+    base_url: str | None = Field(None, description="train on a running `python -m tx.run --import tx.rl` server "
+                                 "through the tinker SDK (key: TINKER_API_KEY) instead of in this process")
 
 
 # what a run of a multi-run job may set for itself; everything else (data, batch sizes, generator, model) is the

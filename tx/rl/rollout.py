@@ -3,7 +3,7 @@
 Token in, token out: the sampled tokens are kept exactly as drawn (with their sampler log-probs, which
 equal `forward`'s in float32, so they serve as the "old" log-probs of the update); an env's observations
 are rendered with the tokenizer's chat template and appended with loss mask 0. All episodes of a turn go to
-the backend in one `sample` call; the first turn sends each prompt once with `n` samples, so the engine
+the policy (`tx.rl.policy`) in one `sample` call; the first turn sends each prompt once with `n` samples, so the engine
 prefills it once and the samples share its pages. Env calls run in an `EnvPool` (threads).
 """
 
@@ -15,6 +15,7 @@ from typing import Any
 
 from tx import types
 from tx.rl.env import EnvPool, Message, make_env
+from tx.rl.policy import SampleRequest
 
 
 @dataclass
@@ -105,7 +106,7 @@ def _seed(*parts: int) -> int:
     return zlib.crc32(",".join(map(str, parts)).encode()) & 0x7FFFFFFF
 
 
-def rollout(backend, chat: ChatTokens, models: dict[str, tuple[int, ...]], rows: list[PromptRow],
+def rollout(policy, chat: ChatTokens, models: dict[str, tuple[int, ...]], rows: list[PromptRow],
             params: RolloutParams, pool: EnvPool) -> dict[str, list[Trajectory]]:
     """`params.n_samples` episodes of every row for each model id in `models` (model id -> its sampling seed
     parts), run to the end (env done, `max_turns`, or the length limits); sampled with each model's current
@@ -133,7 +134,7 @@ def rollout(backend, chat: ChatTokens, models: dict[str, tuple[int, ...]], rows:
             live = [i for i in live if not trajectories[i].done]
             if not live:
                 break
-            outputs = _sample(backend, trajectories, live, params, turn)
+            outputs = _sample(policy, trajectories, live, params, turn)
             for i, seq in zip(live, outputs):
                 t = trajectories[i]
                 t.response_ids += seq.tokens
@@ -168,9 +169,9 @@ def rollout(backend, chat: ChatTokens, models: dict[str, tuple[int, ...]], rows:
     return out
 
 
-def _sample(backend, trajectories: list[Trajectory], live: list[int], params: RolloutParams,
+def _sample(policy, trajectories: list[Trajectory], live: list[int], params: RolloutParams,
             turn: int) -> list[types.GeneratedSequence]:
-    """One backend call for every live episode's next turn; the first turn asks each (model, prompt) once for
+    """One policy call for every live episode's next turn; the first turn asks each (model, prompt) once for
     its samples (one prefill, shared pages; episodes whose env rewrote the prompt differently go apart).
     Request seeds come from the model's seed, the turn and the first episode's place within its model's batch."""
     by_key: dict[tuple, list[int]] = {}
@@ -181,27 +182,16 @@ def _sample(backend, trajectories: list[Trajectory], live: list[int], params: Ro
     first_of_model = {}
     for i, t in enumerate(trajectories):
         first_of_model.setdefault(t.model_id, i)
-    prompts, sampling, slices, groups = [], [], [], list(by_key.values())
-    for r, members in enumerate(groups):
+    groups, requests = list(by_key.values()), []
+    for members in groups:
         t = trajectories[members[0]]
         ids = t.prompt_ids + t.response_ids
         place = members[0] - first_of_model[t.model_id]
         sp = params.sampling.model_copy(update={"seed": _seed(*t.seed, turn, place),
                                                 "max_tokens": min(params.sampling.max_tokens, params.max_seq_len - len(ids))})
-        start = len(prompts)
-        prompts += [ids] * len(members)
-        sampling += [sp] * len(members)
-        slices.append((f"rollout-{r}", t.model_id, start, len(prompts), False, 0))
-    out = backend.sample(types.PreparedSampleBatch(
-        all_prompts=prompts, all_sampling_params=sampling,
-        all_model_ids=[m for (_, m, s, e, _, _) in slices for _ in range(e - s)],
-        all_checkpoint_ids=[""] * len(prompts), all_checkpoint_paths=[""] * len(prompts),
-        request_batch_slices=slices))
+        requests.append(SampleRequest(t.model_id, ids, len(members), sp))
     sequences: dict[int, types.GeneratedSequence] = {}
-    for (request_id, *_), members in zip(slices, groups):
-        result = out[request_id]
-        if isinstance(result, types.ErrorResponse):
-            raise RuntimeError(f"sampling failed: {result.error}")
-        for i, seq in zip(members, result.sequences):
+    for members, seqs in zip(groups, policy.sample(requests)):
+        for i, seq in zip(members, seqs):
             sequences[i] = seq
     return [sequences[i] for i in live]

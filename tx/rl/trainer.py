@@ -12,10 +12,9 @@ One training step (SkyRL's order, seed names), for every run of the job at once:
 5. `update_epochs_per_batch` passes over the batch in mini-batches of `policy_mini_batch_size` prompts:
    one forward_backward per mini-batch (a request per run), then an AdamW step per run.
 
-The per-token objective is one registered tx loss per (policy loss, KL estimator): `weights * policy_loss
-+ kl_loss_coef * kl_weights * kl(logprobs, ref_logprobs) - entropy_loss_coef * entropy_weights * entropy`,
-where `weights` carry the `loss_reduction` over the mini-batch and the TIS factors, `kl_weights` the KL
-term's sequence mean (SkyRL's) and `entropy_weights` the entropy's masked token mean.
+The per-token objective is the registered tx loss "tx.rl" (`tx.rl.objective`). The adapters live in this
+process's backend or, with `tx.base_url`, on a `python -m tx.run` server driven through the tinker SDK
+(`tx.rl.policy`): the same loop, the same numbers.
 """
 
 from __future__ import annotations
@@ -31,42 +30,17 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from tx import losses, types
+from tx import types
 from tx.backends.config import JaxBackendConfig
-from tx.backends.jax import JaxBackend
-from tx.checkpoints import peft_format
-from tx.rl import algorithms
+from tx.rl import algorithms, objective
 from tx.rl.config import RLConfig
 from tx.rl.env import EnvPool, import_env_modules
+from tx.rl.policy import LocalPolicy, RemotePolicy
 from tx.rl.rollout import ChatTokens, PromptRow, RolloutParams, Trajectory, rollout
 from tx.sft.data import load_rows
 from tx.sft.seed_config import lora_targets
 
 LATEST = "latest_ckpt_global_step.txt"
-EXTRA_INPUTS = ("ref_logprobs", "kl_weights", "entropy_weights", "rl_mask", "rl_selected")
-
-
-def training_loss(policy_loss_type: str, kl_estimator: str) -> str:
-    """The name of the tx loss computing `policy_loss_type` + the KL and entropy terms, registered on first
-    use. It reads each position's entropy (so the pass returns it for the `policy_entropy` metric too)."""
-    spec = algorithms.policy_loss(policy_loss_type)
-    name = f"tx.rl.{policy_loss_type}.{kl_estimator}"
-    defaults = {**spec.params, "kl_loss_coef": 0.0, "entropy_loss_coef": 0.0}
-
-    def loss(tlp, inputs, config):
-        policy_inputs = {"old_logprobs": inputs["logprobs"], "advantages": inputs["advantages"],
-                         "mask": inputs["rl_mask"], "selected": inputs["rl_selected"]}
-        per_token = spec.fn(tlp, policy_inputs, {k: config[k] for k in spec.params})
-        kl = algorithms.kl_estimate(kl_estimator, tlp, inputs["ref_logprobs"])
-        return (inputs["weights"] * per_token + config["kl_loss_coef"] * inputs["kl_weights"] * kl
-                - config["entropy_loss_coef"] * inputs["entropy_weights"] * inputs["entropy"])
-
-    if name not in losses.names() or losses.get(name).config_defaults != defaults:
-        losses.register(name, loss, config_defaults=defaults, input_keys=EXTRA_INPUTS, needs_entropy=True,
-                        replace=True)
-    return name
-
-
 def learning_rate(cfg: RLConfig, optimizer_step: int, total: int) -> float:
     """The seed's schedules over optimizer steps (HF semantics): linear warmup, then constant / cosine / linear."""
     opt = cfg.trainer.policy.optimizer_config
@@ -106,7 +80,6 @@ class Run:
 
     name: str
     cfg: RLConfig
-    loss_name: str
     loss_params: dict[str, float]
     kl_ctrl: algorithms.KLController
     correction: algorithms.OffPolicyCorrection
@@ -124,7 +97,7 @@ class Run:
         correction = a.off_policy_correction
         if a.use_tis and correction.tis_ratio_type is None:  # the seed's deprecated spelling
             correction = replace(correction, tis_ratio_type="token", token_tis_ratio_clip_high=a.tis_imp_ratio_cap)
-        return cls(name, cfg, training_loss(a.policy_loss_type, a.kl_estimator_type), params,
+        return cls(name, cfg, params,
                    algorithms.KLController(a.kl_ctrl.type, a.kl_loss_coef, a.kl_ctrl.kl_target, a.kl_ctrl.horizon),
                    correction)
 
@@ -142,6 +115,7 @@ class RLTrainer:
 
             base = str(tiny_model_dir())
         self.base_model = base
+        objective.register_objective()  # over the policy losses registered now (environment.imports' too)
         self.runs = [Run.build(name, run_cfg) for name, run_cfg in cfg.run_configs().items()]
         ranks = [r.cfg.trainer.policy.model.lora.rank for r in self.runs]
         if 0 in ranks:
@@ -154,13 +128,17 @@ class RLTrainer:
             max_num_samples=max(g.n_samples_per_prompt, g.eval_n_samples_per_prompt),
             **({"train_micro_batch_tokens": cfg.tx.micro_batch_tokens} if cfg.tx.micro_batch_tokens is not None else {}),
             **({"max_num_seqs": cfg.tx.max_num_seqs} if cfg.tx.max_num_seqs else {}))
-        self.backend = JaxBackend(base, config)
+        if cfg.tx.base_url:
+            self.policy: LocalPolicy | RemotePolicy = RemotePolicy(cfg.tx.base_url, t.policy.model.path)
+        else:
+            self.policy = LocalPolicy(base, config)
+            base = str(self.policy.model_dir)
         for run in self.runs:
             policy = run.cfg.trainer.policy
-            self.backend.create_model(run.name, types.LoraConfig(
+            self.policy.create(run.name, types.LoraConfig(
                 rank=policy.model.lora.rank, alpha=policy.model.lora.alpha, seed=run.cfg.trainer.seed,
                 **lora_targets(policy.model.lora.target_modules, policy.model.lora.exclude_modules)))
-        tokenizer = AutoTokenizer.from_pretrained(str(self.backend.model_dir), use_fast=not t.disable_fast_tokenizer)
+        tokenizer = AutoTokenizer.from_pretrained(base, use_fast=not t.disable_fast_tokenizer)
         self.chat = ChatTokens(tokenizer, g.chat_template_kwargs)
         self.train_rows = self._load(cfg.data.train_data)
         self.val_rows = self._load(cfg.data.val_data) if t.eval_interval > 0 or t.eval_before_train else []
@@ -270,7 +248,7 @@ class RLTrainer:
         None when the data ran out first."""
         def sample() -> dict[str, list[Trajectory]]:
             seeds = {r.name: (r.cfg.trainer.seed, self.batches_used) for r in self.runs}
-            out = rollout(self.backend, self.chat, seeds, self.batch_rows(self.batches_used),
+            out = rollout(self.policy, self.chat, seeds, self.batch_rows(self.batches_used),
                           self.rollout_params["train"], self.pool)
             self.batches_used += 1
             return out
@@ -360,17 +338,12 @@ class RLTrainer:
     def _reference_logprobs(self, by_run: dict[str, list[Trajectory]]) -> dict[str, np.ndarray]:
         """log p_base(response token) [B, T] per run, from the base model (slot 0) in one forward."""
         trajectories = [tr for trs in by_run.values() for tr in trs]
-        datums = [{"input_ids": (tr.prompt_ids + tr.response_ids)[:-1], "targets": (tr.prompt_ids + tr.response_ids)[1:]}
-                  for tr in trajectories]
-        out = self.backend.forward(_batch({"ref": ("", datums, "cross_entropy", None)}))["ref"]
-        if isinstance(out, types.ErrorResponse):
-            raise RuntimeError(f"reference forward failed: {out.error}")
-        outputs = iter(out.loss_fn_outputs)
+        outputs = iter(self.policy.base_logprobs([tr.prompt_ids + tr.response_ids for tr in trajectories]))
         refs = {}
         for name, trs in by_run.items():
             ref = np.zeros((len(trs), max(1, max(len(tr.response_ids) for tr in trs))))
             for i, tr in enumerate(trs):
-                ref[i, :len(tr.response_ids)] = next(outputs)["logprobs"].to_numpy()[len(tr.prompt_ids) - 1:]
+                ref[i, :len(tr.response_ids)] = next(outputs)[len(tr.prompt_ids) - 1:]
             refs[name] = ref
         return refs
 
@@ -395,9 +368,10 @@ class RLTrainer:
                 "extra": {"ref_logprobs": _per_target(tr, prep["ref"][i]), "kl_weights": _per_target(tr, kl_weights[j]),
                           "entropy_weights": _per_target(tr, entropy_weights[j]), "rl_mask": _per_target(tr, m[j]),
                           "rl_selected": _per_target(tr, selected[j])}})
-        config = {**run.loss_params, "kl_loss_coef": a.kl_loss_coef if a.use_kl_loss else 0.0,
-                  "entropy_loss_coef": a.entropy_loss_coef if a.use_entropy_loss else 0.0}
-        return datums, run.loss_name, config
+        config = objective.objective_config(a.policy_loss_type, a.kl_estimator_type, run.loss_params,
+                                            a.kl_loss_coef if a.use_kl_loss else 0.0,
+                                            a.entropy_loss_coef if a.use_entropy_loss else 0.0)
+        return datums, objective.OBJECTIVE, config
 
     def _update(self, by_run: dict[str, list[Trajectory]], prepared: dict[str, dict]) -> dict[str, dict[str, float]]:
         """`update_epochs_per_batch` passes of mini-batches; each mini-batch is one forward_backward holding every
@@ -411,28 +385,26 @@ class RLTrainer:
         for _ in range(t.update_epochs_per_batch):
             for lo in range(0, rows, rows_per_mini):
                 idx = np.arange(lo, min(lo + rows_per_mini, rows))
-                requests = {r.name: (r.name, *self._minibatch(r, by_run[r.name], prepared[r.name], idx, rngs[r.name]))
+                requests = {r.name: self._minibatch(r, by_run[r.name], prepared[r.name], idx, rngs[r.name])
                             for r in self.runs}
-                out = self.backend.forward_backward(_batch(requests))
+                out = self.policy.forward_backward(requests)
                 for run in self.runs:
                     result = out[run.name]
-                    if isinstance(result, types.ErrorResponse):
-                        raise RuntimeError(f"run {run.name}: forward_backward failed: {result.error}")
                     opt = run.cfg.trainer.policy.optimizer_config
                     lr = learning_rate(run.cfg, optimizer_step, self.total_steps * self.optimizer_steps_per_step)
-                    grad_norm = self.backend.optim_step(run.name, types.OptimStepInput(adam_params=types.AdamParams(
+                    grad_norm = self.policy.optim_step(run.name, types.AdamParams(
                         learning_rate=lr, beta1=opt.adam_betas[0], beta2=opt.adam_betas[1],
-                        weight_decay=opt.weight_decay, grad_clip_norm=opt.max_grad_norm))).metrics["grad_norm"]
+                        weight_decay=opt.weight_decay, grad_clip_norm=opt.max_grad_norm))
                     trajectories, prep = by_run[run.name], prepared[run.name]
                     current, entropy = np.zeros_like(prep["mask"][idx]), np.zeros_like(prep["mask"][idx])
-                    for j, (i, o) in enumerate(zip(idx, result.loss_fn_outputs)):
+                    for j, (i, o) in enumerate(zip(idx, result.outputs)):
                         p, n = len(trajectories[i].prompt_ids), len(trajectories[i].response_ids)
-                        current[j, :n] = o["logprobs"].to_numpy()[p - 1:]
-                        entropy[j, :n] = o["entropy"].to_numpy()[p - 1:]
+                        current[j, :n] = o["logprobs"][p - 1:]
+                        entropy[j, :n] = o["entropy"][p - 1:]
                     a = run.cfg.trainer.algorithm
                     clip = algorithms.clip_fraction(a.policy_loss_type, current, prep["old"][idx], prep["advantages"][idx],
                                                     prep["mask"][idx], run.loss_params)
-                    for key, value in (("policy/policy_loss", result.metrics["loss:sum"]), ("policy/grad_norm", grad_norm),
+                    for key, value in (("policy/policy_loss", result.loss_sum), ("policy/grad_norm", grad_norm),
                                        ("policy/clip_ratio", clip), ("policy/policy_lr", lr),
                                        ("policy/policy_entropy", float((entropy * prep["mask"][idx]).sum()
                                                                        / max(prep["mask"][idx].sum(), 1)))):
@@ -461,7 +433,7 @@ class RLTrainer:
         size = self.cfg.trainer.eval_batch_size
         by_run: dict[str, list[Trajectory]] = {r.name: [] for r in self.runs}
         for lo in range(0, len(self.val_rows), size):
-            part = rollout(self.backend, self.chat, {r.name: (r.cfg.trainer.seed, -1, lo) for r in self.runs},
+            part = rollout(self.policy, self.chat, {r.name: (r.cfg.trainer.seed, -1, lo) for r in self.runs},
                            self.val_rows[lo:lo + size], self.rollout_params["eval"], self.pool)
             for name, trajectories in part.items():
                 for tr in trajectories:
@@ -480,9 +452,9 @@ class RLTrainer:
         t = self.cfg.trainer
         root = Path(t.ckpt_path).expanduser()
         step_dir = root / f"global_step_{self.global_step}"
-        for run in self.runs:
-            self.backend.save_checkpoint(step_dir / run.name, run.name)
-        (step_dir / "trainer_state.json").write_text(json.dumps({
+        states = {run.name: self.policy.save(run.name, step_dir / run.name) for run in self.runs}
+        step_dir.mkdir(parents=True, exist_ok=True)
+        (step_dir / "trainer_state.json").write_text(json.dumps({"policy_state": states,
             "global_step": self.global_step, "batches_used": self.batches_used,
             "kl_coef": {r.name: r.kl_ctrl.value for r in self.runs},
             "config": self.cfg.model_dump()}))
@@ -506,7 +478,7 @@ class RLTrainer:
             target = Path(t.resume_path).expanduser()
         state = json.loads((target / "trainer_state.json").read_text())
         for run in self.runs:
-            self.backend.load_checkpoint(target / run.name, run.name)
+            self.policy.load(run.name, target / run.name, state.get("policy_state", {}).get(run.name, {}))
             run.kl_ctrl.value = state["kl_coef"][run.name]
         self.global_step = state["global_step"]
         self.batches_used = state.get("batches_used", self.global_step)
@@ -514,9 +486,7 @@ class RLTrainer:
     def export(self, path: Path) -> None:
         """Each run as a PEFT adapter at <path>/<run>/ (<path>/policy/ for a single run)."""
         for run in self.runs:
-            meta = self.backend.models[run.name]
-            peft_format.export_adapter(self.backend.model, meta.adapter_index, meta.lora_config.rank,
-                                       meta.lora_config.alpha, self.base_model, path / run.name)
+            self.policy.export(run.name, self.base_model, path / run.name)
 
     def log(self, record: dict[str, Any]) -> None:
         if self._metrics_file:
@@ -564,27 +534,3 @@ class RLTrainer:
         if self._wandb is not None:
             self._wandb.finish()
         return summary
-
-
-def _batch(requests: dict[str, tuple[str, list[dict], str, dict | None]]) -> types.PreparedModelPassBatch:
-    """One PreparedModelPassBatch of requests {request id: (model id, datums, loss, loss config)}."""
-    fields: dict[str, list] = {k: [] for k in ("all_input_ids", "all_targets", "all_token_weights",
-                                                "all_sampling_logprobs", "all_advantages", "all_model_ids",
-                                                "all_loss_fns", "all_loss_fn_configs")}
-    datums_all = [d for _, datums, _, _ in requests.values() for d in datums]
-    extra_keys = sorted({k for d in datums_all for k in d.get("extra", {})})
-    slices = []
-    for request_id, (model_id, datums, loss, config) in requests.items():
-        start = len(fields["all_input_ids"])
-        for d in datums:
-            fields["all_input_ids"].append(d["input_ids"])
-            fields["all_targets"].append(d["targets"])
-            fields["all_token_weights"].append(d.get("weights", []))
-            fields["all_sampling_logprobs"].append(d.get("logprobs", []))
-            fields["all_advantages"].append(d.get("advantages", []))
-            fields["all_model_ids"].append(model_id)
-            fields["all_loss_fns"].append(loss)
-            fields["all_loss_fn_configs"].append(config)
-        slices.append((request_id, model_id, start, len(fields["all_input_ids"])))
-    extra = {k: [d.get("extra", {}).get(k, []) for d in datums_all] for k in extra_keys}
-    return types.PreparedModelPassBatch(**fields, all_extra_inputs=extra or None, request_batch_slices=slices)

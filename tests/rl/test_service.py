@@ -1,0 +1,45 @@
+"""tx.rl through the service: the same trainer, driving a real `python -m tx.run --import tx.rl` subprocess with
+the official tinker SDK (`tx.base_url`), gives the in-process trainer's numbers — rewards, loss, gradient norm,
+and at step 2 (sampled with the updated weights, scored by the base model's compute_logprobs) the KL."""
+
+import pytest
+
+from tests.api.server_proc import API_KEY, CLIENTS, Server
+from tests.rl.test_trainer import example
+from tx.rl.trainer import RLTrainer
+
+KEYS = ("reward/avg_raw_reward", "generate/avg_num_tokens", "policy/policy_loss", "policy/grad_norm",
+        "policy/policy_kl", "policy/policy_entropy", "policy/clip_ratio")
+
+
+def test_trainer_through_the_service_equals_in_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINKER_API_KEY", API_KEY)
+    lora = {"policy": {"model": {"path": "tiny", "lora": {"rank": 8, "alpha": 32, "target_modules": "all-linear"}},
+                       "optimizer_config": {"lr": 2e-2, "weight_decay": 0.0}}}
+
+    def config(name, **tx_settings):
+        cfg = example(tmp_path / name, eval_before_train=False, eval_interval=-1, ckpt_interval=-1,
+                      hf_save_interval=-1, train_batch_size=4, policy_mini_batch_size=4, **lora)
+        return cfg.model_copy(update={"tx": cfg.tx.model_copy(update=tx_settings)})
+
+    local = RLTrainer(config("local"))
+    want = [local.train_step() for _ in range(2)]
+    server = Server(tmp_path / "server", "--import", "tx.rl")
+    try:
+        remote = RLTrainer(config("remote", base_url=server.url))
+        CLIENTS.setdefault(server.url, []).append(remote.policy.service)
+        got = [remote.train_step() for _ in range(2)]
+    finally:
+        assert server.stop() in (0, -15, 143), server.log()
+    assert want[1]["policy/policy_kl"] > 0  # step 2 reads the reference log-probs for real
+    for w, g in zip(want, got):
+        for key in KEYS:
+            assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-7), (w["step"], key, w[key], g[key])
+
+
+def test_run_refuses_an_import_it_cannot_load(capsys):
+    from tx.run import main
+
+    with pytest.raises(SystemExit):
+        main(["--import", "tx_no_such_module", "--port", "1"])
+    assert "--import tx_no_such_module: No module named 'tx_no_such_module'" in capsys.readouterr().err

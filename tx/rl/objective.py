@@ -1,0 +1,97 @@
+"""The device objective of every tx.rl run: one registered tx loss, "tx.rl", for every policy loss and KL estimator.
+
+Per token: `weights * policy_loss + kl_loss_coef * kl_weights * kl(logprobs, ref_logprobs)
+- entropy_loss_coef * entropy_weights * entropy`, where `weights` carry the `loss_reduction` over the mini-batch
+and the TIS factors, `kl_weights` the KL term's sequence mean (SkyRL's) and `entropy_weights` the entropy's
+masked token mean. The policy loss and the KL estimator are chosen per datum by `loss_fn_config` numbers
+(`policy_loss` = `policy_loss_id(name)`, `kl_estimator` = its index in `KL_ORDER`), so one registered loss serves
+every run of a job, in-process and on a server started with `python -m tx.run --import tx.rl` (plus the modules
+that register your own policy losses: the server must hold the same ones). A number that names no registered
+policy loss fails that request alone, naming it.
+
+One loss instead of one per (policy loss, KL estimator): the backend evaluates every registered loss on every
+row, so the pairs would multiply that cost and the number of compiled programs.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Mapping
+
+import jax.numpy as jnp
+
+from tx import losses
+from tx.rl import algorithms
+
+OBJECTIVE = "tx.rl"
+EXTRA_INPUTS = ("ref_logprobs", "kl_weights", "entropy_weights", "rl_mask", "rl_selected")
+KL_ORDER = tuple(sorted(algorithms.KL_ESTIMATORS))
+_SELECTORS = ("policy_loss", "kl_estimator", "kl_loss_coef", "entropy_loss_coef")
+
+
+def policy_loss_id(name: str) -> float:
+    """A policy loss's number in `loss_fn_config["policy_loss"]`: from its name, so a client and a server that
+    registered the same losses in any order agree; < 2**24, exact in float32."""
+    return float(zlib.crc32(name.encode()) & 0xFFFFFF)
+
+
+def objective_config(policy_loss_type: str, kl_estimator: str, params: Mapping[str, float], kl_loss_coef: float,
+                     entropy_loss_coef: float) -> dict[str, float]:
+    """The `loss_fn_config` of a datum of the objective."""
+    if kl_estimator not in KL_ORDER:
+        raise KeyError(f"unknown kl_estimator_type {kl_estimator!r}; known: {', '.join(KL_ORDER)}")
+    return {"policy_loss": policy_loss_id(policy_loss_type), "kl_estimator": float(KL_ORDER.index(kl_estimator)),
+            "kl_loss_coef": float(kl_loss_coef), "entropy_loss_coef": float(entropy_loss_coef),
+            **{k: float(v) for k, v in algorithms.policy_loss(policy_loss_type).resolve(params).items()}}
+
+
+def _check(config: Mapping[str, float]) -> None:
+    ids = {policy_loss_id(n): n for n in algorithms.policy_loss_names()}
+    if float(config["policy_loss"]) not in ids:
+        raise ValueError(f"loss_fn_config['policy_loss']={config['policy_loss']} names no policy loss registered here "
+                         f"(registered: {', '.join(f'{n}={i:.0f}' for i, n in sorted(ids.items(), key=lambda x: x[1]))}); "
+                         f"a server needs `--import` of the module that registers yours")
+    k = config["kl_estimator"]
+    if k not in range(len(KL_ORDER)):
+        raise ValueError(f"loss_fn_config['kl_estimator']={k} is not an index of {list(KL_ORDER)}")
+
+
+def _objective(tlp, inputs, config):
+    mask = inputs["rl_mask"]
+    per_token = jnp.zeros_like(tlp)
+    for name in algorithms.policy_loss_names():
+        spec = algorithms.policy_loss(name)
+        on = config["policy_loss"] == policy_loss_id(name)
+        # a loss this datum does not use sees zeros (finite everywhere), so it cannot put inf / NaN in the gradient
+        keep = lambda x, on=on: jnp.where(on, x, 0.0)  # noqa: E731
+        value = spec.fn(keep(tlp), {"old_logprobs": keep(inputs["logprobs"]), "advantages": keep(inputs["advantages"]),
+                                    "mask": keep(mask), "selected": keep(inputs["rl_selected"])},
+                        {k: config[k] for k in spec.params})
+        per_token = jnp.where(on, value, per_token)
+    kl = jnp.zeros_like(tlp)
+    for i, kind in enumerate(KL_ORDER):
+        on = config["kl_estimator"] == i
+        kl = jnp.where(on, algorithms.kl_estimate(kind, jnp.where(on, tlp, 0.0), jnp.where(on, inputs["ref_logprobs"], 0.0)),
+                       kl)
+    return (inputs["weights"] * per_token + config["kl_loss_coef"] * inputs["kl_weights"] * kl
+            - config["entropy_loss_coef"] * inputs["entropy_weights"] * inputs["entropy"])
+
+
+def register_objective() -> None:
+    """(Re-)register "tx.rl" over the policy losses registered now (runs again on each `register_policy_loss`)."""
+    defaults = {"policy_loss": policy_loss_id("regular"), "kl_estimator": float(KL_ORDER.index("k3")),
+                "kl_loss_coef": 0.0, "entropy_loss_coef": 0.0}
+    for name in algorithms.policy_loss_names():
+        for key, value in algorithms.policy_loss(name).params.items():
+            if key in _SELECTORS:
+                raise ValueError(f"policy loss {name!r}: parameter {key!r} clashes with the objective's own config key")
+            defaults.setdefault(key, float(value))
+    ids = [policy_loss_id(n) for n in algorithms.policy_loss_names()]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"two policy losses share a policy_loss id: {algorithms.policy_loss_names()}")
+    losses.register(OBJECTIVE, _objective, config_defaults=defaults, input_keys=EXTRA_INPUTS, needs_entropy=True,
+                    replace=True, check=_check)
+
+
+register_objective()
+algorithms.on_policy_loss_registered(register_objective)
