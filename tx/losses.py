@@ -9,7 +9,9 @@ returning the per-token loss. A loss may also read per-token float inputs of its
 `input_keys` (e.g. a reference policy's log-probs for a KL term): they reach `inputs` under those names
 (zeros where a datum leaves them out), travel as `loss_fn_inputs` of that name through the API and as
 `all_extra_inputs` in-process, and a datum that sends a key its loss does not declare is refused. A loss
-registered with `needs_entropy=True` also gets `inputs["entropy"]` (each position's entropy). A loss registered with `multi_target=True` also takes 2-D `[t, K]` targets
+registered with `needs_entropy=True` also gets `inputs["entropy"]` (each position's entropy), one with
+`needs_values=True` `inputs["values"]` (a per-adapter scalar value head: an RL critic); both come back per
+datum in the outputs. A loss registered with `multi_target=True` also takes 2-D `[t, K]` targets
 (K target tokens per position, e.g. top-k distillation): it then sees `target_logprobs` and `weights` as
 `[t, K]` and may return `[t, K]`, which is summed over K. Other losses see column 0 only (the server refuses
 2-D targets for them). One row is one datum, so a sequence-level reduction inside a loss (gspo) is a
@@ -35,6 +37,7 @@ import jax.numpy as jnp
 
 LossFn = Callable[[jax.Array, Mapping[str, jax.Array], Mapping[str, jax.Array]], jax.Array]
 INPUT_KEYS = ("weights", "logprobs", "advantages", "sequence_ratio_mask")
+AUX_INPUTS = ("entropy", "values")  # computed by the pass only for losses that ask (needs_entropy / needs_values)
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,12 @@ class LossSpec:
     input_keys: tuple[str, ...] = ()  # extra per-token float inputs it reads
     needs_entropy: bool = False  # reads inputs["entropy"]: each position's entropy, with its gradient
     check: Callable[[Mapping[str, float]], None] | None = None  # raises ValueError on a bad config
+    needs_values: bool = False  # reads inputs["values"]: the row's adapter's value head V [t], with its gradient
+
+    @property
+    def aux(self) -> tuple[str, ...]:
+        """The per-position quantities the pass computes for this loss (and returns per datum)."""
+        return tuple(k for k, on in (("entropy", self.needs_entropy), ("values", self.needs_values)) if on)
 
 
 _REGISTRY: dict[str, LossSpec] = {}
@@ -54,7 +63,8 @@ _VERSION = [0]  # bumped on every register: compiled passes key on it, so a repl
 
 def register(name: str, fn: LossFn | None = None, *, config_defaults: Mapping[str, float] | None = None,
              replace: bool = False, multi_target: bool = False, input_keys: Sequence[str] = (),
-             needs_entropy: bool = False, check: Callable[[Mapping[str, float]], None] | None = None):
+             needs_entropy: bool = False, check: Callable[[Mapping[str, float]], None] | None = None,
+             needs_values: bool = False):
     """Register `fn` under `name` (use as `@register("name")` or `register("name", fn)`).
 
     `config_defaults` lists every `loss_fn_config` key the loss accepts, with its default; requests with
@@ -62,6 +72,8 @@ def register(name: str, fn: LossFn | None = None, *, config_defaults: Mapping[st
     docstring). `input_keys` names the extra per-token float inputs the loss reads. `needs_entropy` asks the
     training pass for `inputs["entropy"]`, the entropy of each position's next-token distribution (computed
     from the same logits chunks as the log-probs, differentiable; only in passes with such a loss's rows).
+    `needs_values` asks for `inputs["values"]`: V(s) per position from the row's adapter's scalar value head on
+    the final hidden states (an RL critic; zero at init, trained by this loss's gradient).
     `check(config)` may refuse a resolved config the defaults cannot express (raise ValueError naming the key
     and value): the request then fails alone. Re-registering a name raises unless `replace=True`."""
     for key in input_keys:
@@ -73,7 +85,7 @@ def register(name: str, fn: LossFn | None = None, *, config_defaults: Mapping[st
         if name in _REGISTRY and not replace:
             raise ValueError(f"loss {name!r} is already registered (pass replace=True to override)")
         _REGISTRY[name] = LossSpec(name, f, dict(config_defaults or {}), multi_target, tuple(input_keys), needs_entropy,
-                                   check)
+                                   check, needs_values)
         _VERSION[0] += 1
         return f
 
@@ -136,7 +148,7 @@ def per_token_losses(
     if target_logprobs_btk.ndim == 2:  # one target per position
         target_logprobs_btk = target_logprobs_btk[..., None]
     b_t = target_logprobs_btk.shape[:2]
-    zero_keys = INPUT_KEYS + extra_input_keys() + ("entropy",)  # entropy: only passes that need it compute it
+    zero_keys = INPUT_KEYS + extra_input_keys() + AUX_INPUTS  # aux: only passes that need them compute them
     inputs_bt = {k: jnp.zeros(b_t, target_logprobs_btk.dtype) for k in zero_keys} | dict(inputs_bt)
     if inputs_bt["weights"].ndim == 2:
         inputs_bt["weights"] = inputs_bt["weights"][..., None]

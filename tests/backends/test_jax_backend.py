@@ -268,6 +268,40 @@ def test_entropy_input_matches_torch_and_trains(tiny_dirs):
     assert all(b < a for a, b in zip(losses_seen, losses_seen[1:])), losses_seen  # maximising it raises it
 
 
+@tx.losses.register("test_value_mse", needs_values=True)
+def value_mse(tlp, inputs, config):
+    """A critic's loss: weights * (V - advantages)^2 (advantages standing in for the returns)."""
+    return inputs["weights"] * (inputs["values"] - inputs["advantages"]) ** 2
+
+
+def test_value_head_matches_torch_hidden_states_and_trains_only_its_slot(tiny_dirs):
+    backend = new_backend(tiny_dirs)
+    head = backend.model.lm_head.value_head
+    assert not np.any(np.asarray(head[...]))  # V = 0 at init
+    w_d = np.random.default_rng(4).normal(size=head[...].shape[1]).astype(np.float32)
+    head.set_value(head[...].at[1, :, 0].set(w_d))  # slot 1 = model "a"
+    datums = random_datums(16, [8, 5], advantages=lambda rng, n: rng.uniform(0.5, 1.5, n).tolist())
+    out = backend.forward(make_batch([("v", "a", datums, "test_value_mse", None), ("ce", "b", datums, "cross_entropy", None)]))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dirs["dense"], dtype=torch.float32)  # B = 0: the base's states
+    for datum, output in zip(datums, out["v"].loss_fn_outputs):
+        with torch.no_grad():
+            h = hf(input_ids=torch.tensor([datum["input_ids"]]), output_hidden_states=True).hidden_states[-1][0]
+        want = h.double().numpy() @ w_d.astype(np.float64)  # the last hidden state is after the final norm
+        np.testing.assert_allclose(output["values"].to_numpy(), want, atol=1e-4)
+    assert all("values" not in o for o in out["ce"].loss_fn_outputs)
+    other = np.asarray(head[...][2]).copy()
+    seen = [out["v"].metrics["loss:sum"]]
+    for _ in range(3):
+        backend.forward_backward(make_batch([("v", "a", datums, "test_value_mse", None),
+                                             ("ce", "b", datums, "cross_entropy", None)]))
+        backend.optim_step("a", types.OptimStepInput(adam_params=types.AdamParams(learning_rate=1e-3)))
+        backend.optim_step("b", types.OptimStepInput(adam_params=types.AdamParams(learning_rate=1e-3)))
+        seen.append(backend.forward(make_batch([("v", "a", datums, "test_value_mse", None)]))["v"].metrics["loss:sum"])
+    assert all(b < a for a, b in zip(seen, seen[1:])), seen  # V moves toward its targets
+    np.testing.assert_array_equal(np.asarray(head[...][2]), other)  # b's head: no loss of b read it
+    assert np.any(np.asarray(head[...][1]) != w_d[:, None])
+
+
 def test_forward_of_the_base_model_matches_transformers(tiny_dirs):
     """model id "" in forward reads slot 0, the base model (an RL reference policy); it cannot be trained."""
     backend = new_backend(tiny_dirs)

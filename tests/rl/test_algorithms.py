@@ -881,3 +881,44 @@ def test_apply_kl_in_reward(coef):
     close(got_r, want_r)
     close(got_kl, sum(per_row) / B, rtol=1e-12, atol=0)
     assert coef > 0 or np.array_equal(got_r, r.astype(np.float32))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the critic's value loss
+
+
+def ref_value_loss(v, old, ret, clip):
+    """Per token, in loops: 0.5 * max((old + clip(v - old) - R)^2, (v - R)^2), or 0.5 * (v - R)^2 without clip;
+    its derivative in v (the clipped branch has slope 0 where v - old is outside [-clip, clip])."""
+    loss, grad = np.zeros_like(v), np.zeros_like(v)
+    for i in np.ndindex(v.shape):
+        plain = (v[i] - ret[i]) ** 2
+        if clip <= 0:
+            loss[i], grad[i] = 0.5 * plain, v[i] - ret[i]
+            continue
+        inside = -clip <= v[i] - old[i] <= clip
+        vc = v[i] if inside else old[i] + (clip if v[i] > old[i] else -clip)
+        clipped = (vc - ret[i]) ** 2
+        if clipped > plain:
+            loss[i], grad[i] = 0.5 * clipped, (vc - ret[i]) if inside else 0.0
+        else:
+            loss[i], grad[i] = 0.5 * plain, v[i] - ret[i]
+    return loss, grad
+
+
+@pytest.mark.parametrize("clip", [0.2, 0.0])
+def test_value_loss_and_clip_fraction(clip):
+    rng = np.random.default_rng(21)
+    old = rng.normal(size=(B, T))
+    v = old + rng.uniform(-0.6, 0.6, (B, T))  # about half outside the clip range
+    ret = old + rng.normal(scale=0.5, size=(B, T))
+    m = ragged_mask()
+    want, want_grad = ref_value_loss(v, old, ret, clip)
+    with jax.enable_x64(True):
+        got = alg.value_loss(v, old, ret, clip)
+        got_grad = jax.grad(lambda x: jnp.sum(alg.value_loss(x, old, ret, clip)))(jnp.asarray(v))
+    close(got, want, rtol=1e-9, atol=1e-12)
+    close(got_grad, want_grad, rtol=1e-9, atol=1e-12)
+    n_clipped = sum(m[i] * (0.5 * (v[i] - ret[i]) ** 2 < want[i]) for i in np.ndindex(v.shape))
+    assert (n_clipped > 5) == (clip > 0)  # both branches are exercised
+    assert alg.value_clip_fraction(v, old, ret, m, clip) == pytest.approx(n_clipped / m.sum(), abs=1e-12)

@@ -1,6 +1,7 @@
 """tx.rl through the service: the same trainer, driving a real `python -m tx.run --import tx.rl` subprocess with
 the official tinker SDK (`tx.base_url`), gives the in-process trainer's numbers — rewards, loss, gradient norm,
-and at step 2 (sampled with the updated weights, scored by the base model's compute_logprobs) the KL."""
+the critic's (PPO with GAE: a second training client whose value head comes back through `forward`), and at
+step 2 (sampled with the updated weights, scored by the base model's compute_logprobs) the KL."""
 
 import pytest
 
@@ -9,17 +10,21 @@ from tests.rl.test_trainer import example
 from tx.rl.trainer import RLTrainer
 
 KEYS = ("reward/avg_raw_reward", "generate/avg_num_tokens", "policy/policy_loss", "policy/grad_norm",
-        "policy/policy_kl", "policy/policy_entropy", "policy/clip_ratio")
+        "policy/policy_kl", "policy/policy_entropy", "policy/clip_ratio", "critic/critic_loss", "critic/grad_norm",
+        "critic/values_mean", "critic/returns_mean")
 
 
 def test_trainer_through_the_service_equals_in_process(tmp_path, monkeypatch):
     monkeypatch.setenv("TINKER_API_KEY", API_KEY)
-    lora = {"policy": {"model": {"path": "tiny", "lora": {"rank": 8, "alpha": 32, "target_modules": "all-linear"}},
-                       "optimizer_config": {"lr": 2e-2, "weight_decay": 0.0}}}
+    trainer = {"policy": {"model": {"path": "tiny", "lora": {"rank": 8, "alpha": 32, "target_modules": "all-linear"}},
+                       "optimizer_config": {"lr": 2e-2, "weight_decay": 0.0}},
+            "critic": {"model": {"lora": {"rank": 4, "alpha": 32}}, "optimizer_config": {"lr": 1e-2}},
+            "critic_mini_batch_size": 2}
 
     def config(name, **tx_settings):
         cfg = example(tmp_path / name, eval_before_train=False, eval_interval=-1, ckpt_interval=-1,
-                      hf_save_interval=-1, train_batch_size=4, policy_mini_batch_size=4, **lora)
+                      hf_save_interval=-1, train_batch_size=4, policy_mini_batch_size=4,
+                      algorithm={"advantage_estimator": "gae", "lambd": 0.95}, **trainer)
         return cfg.model_copy(update={"tx": cfg.tx.model_copy(update=tx_settings)})
 
     local = RLTrainer(config("local"))
@@ -32,6 +37,7 @@ def test_trainer_through_the_service_equals_in_process(tmp_path, monkeypatch):
     finally:
         assert server.stop() in (0, -15, 143), server.log()
     assert want[1]["policy/policy_kl"] > 0  # step 2 reads the reference log-probs for real
+    assert want[1]["critic/values_mean"] != 0  # and the critic's values after its first update
     for w, g in zip(want, got):
         for key in KEYS:
             assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-7), (w["step"], key, w[key], g[key])

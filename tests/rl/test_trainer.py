@@ -196,8 +196,11 @@ def test_multi_turn_episodes_keep_sampled_and_observation_tokens_apart(tmp_path)
 @pytest.mark.parametrize("override, says", [
     ({"trainer": {"placement": {"colocate_all": True}}}, "trainer.placement: not applicable to tx (Ray GPU placement"),
     ({"generator": {"inference_engine": {"backend": "vllm"}}}, "generator.inference_engine: not applicable to tx"),
-    ({"trainer": {"critic": {"model": {"path": "x"}}}}, "trainer.critic: not applicable to tx"),
-    ({"trainer": {"algorithm": {"advantage_estimator": "gae"}}}, "'gae' needs a critic"),
+    ({"trainer": {"critic": {"fsdp_config": {}}}}, "trainer.critic.fsdp_config: not applicable to tx"),
+    ({"trainer": {"algorithm": {"advantage_estimator": "gae"}}}, "trainer.critic.model.lora.rank=0"),
+    ({"trainer": {"algorithm": {"advantage_estimator": "gae"}, "critic": {"model": {"path": "x"}}}},
+     "trainer.critic.model.path='x': tx.rl's critic is an adapter"),
+    ({"trainer": {"critic": {"model": {"path": "tiny"}}}}, "trainer.critic.model.path is set but advantage_estimator"),
     ({"trainer": {"algorithm": {"advantage_estimator": "nope"}}}, "advantage_estimator='nope' is not registered"),
     ({"trainer": {"algorithm": {"policy_loss_type": "nope"}}}, "policy_loss_type='nope' is not registered"),
     ({"trainer": {"algorithm": {"use_kl_in_reward": True}}}, "mutually exclusive"),

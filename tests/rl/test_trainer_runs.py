@@ -1,5 +1,5 @@
 """tx.rl jobs side by side and over several data batches: a job of two runs (different seeds, learning rates,
-ranks, losses) equals each run alone, and dynamic sampling draws more batches until the kept groups'
+ranks, losses; one of them PPO with GAE and a critic) equals each run alone, and dynamic sampling draws more batches until the kept groups'
 rewards differ. (Exact resume: test_trainer.py's example test.)"""
 
 import json
@@ -17,20 +17,26 @@ from tx.rl.trainer import RLTrainer
 RUNS = [{"name": "a", "trainer": {"policy": {"optimizer_config": {"lr": 0.02}}}},
         {"name": "b", "trainer": {"seed": 1, "policy": {"optimizer_config": {"lr": 0.01}, "model": {"lora": {"rank": 4}}},
                                   "algorithm": {"policy_loss_type": "gspo", "loss_reduction": "sequence_mean",
-                                                "kl_estimator_type": "k1"}}}]
+                                                "kl_estimator_type": "k1", "advantage_estimator": "gae",
+                                                "lambd": 0.95},
+                                  "critic": {"model": {"lora": {"rank": 4}}, "optimizer_config": {"lr": 0.01}}}}]
+CRITIC_KEYS = ("critic/critic_loss", "critic/grad_norm", "critic/values_mean", "critic/returns_mean")
 
 
 def test_two_runs_in_one_job_equal_each_run_alone(tmp_path):
-    common = {"epochs": 1, "eval_before_train": False, "eval_interval": -1, "ckpt_interval": -1, "hf_save_interval": -1}
+    common = {"epochs": 1, "eval_before_train": False, "eval_interval": -1, "ckpt_interval": -1, "hf_save_interval": -1,
+              "critic_mini_batch_size": 4}
     job = RLTrainer(example(tmp_path / "job", runs=RUNS, **common))
     alone = {run["name"]: RLTrainer(example(tmp_path / run["name"], runs=[run], **common)) for run in RUNS}
     for _ in range(2):
         together = job.train_step()
         for name, trainer in alone.items():
             single = trainer.train_step()
-            for key in ("reward/avg_raw_reward", "policy/policy_loss", "policy/grad_norm", "policy/policy_kl"):
+            for key in ("reward/avg_raw_reward", "policy/policy_loss", "policy/grad_norm", "policy/policy_kl",
+                        *(CRITIC_KEYS if name == "b" else ())):
                 assert together[f"{name}/{key}"] == pytest.approx(single[f"{name}/{key}"], rel=1e-5, abs=1e-7), key
     assert together["a/reward/avg_raw_reward"] != together["b/reward/avg_raw_reward"]
+    assert "a/critic/critic_loss" not in together and together["b/critic/values_mean"] != 0.0  # the critic trained
     for name, trainer in alone.items():
         mine, theirs = (t.policy.backend.models[name] for t in (job, trainer))
         a = get_adapter_weights(job.policy.backend.model, mine.adapter_index, mine.lora_config.rank)
@@ -38,6 +44,16 @@ def test_two_runs_in_one_job_equal_each_run_alone(tmp_path):
         for key in a:
             for mine_w, theirs_w in zip(a[key], b[key]):
                 np.testing.assert_allclose(mine_w, theirs_w, rtol=0, atol=1e-5)
+    # the critic (LoRA and value head) goes into the checkpoint and comes back on resume
+    step_dir = job.save()
+    again = RLTrainer(example(tmp_path / "again", runs=RUNS, resume_mode="from_path", resume_path=str(step_dir), **common))
+    again.resume()
+    slot = {t: t.policy.backend.models["b-critic"].adapter_index for t in (job, again)}
+    heads = [np.asarray(t.policy.backend.model.lm_head.value_head[...][slot[t]]) for t in (job, again)]
+    assert np.any(heads[0]) and np.array_equal(*heads)
+    saved, loaded = (get_adapter_weights(t.policy.backend.model, slot[t], 4) for t in (job, again))
+    for key in saved:
+        np.testing.assert_array_equal(saved[key][1], loaded[key][1])
     with pytest.raises(ValidationError, match=r"runs\['a'\].trainer.train_batch_size: a run may only set"):
         example(tmp_path, runs=[{"name": "a", "trainer": {"train_batch_size": 4}}])
 

@@ -245,18 +245,18 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         graphdef, lora, frozen = self._split_trainable()
         extra_keys = losses.extra_input_keys()
         loss_names = losses.names()
-        with_entropy = any(losses.get(loss_names[r.loss_index]).needs_entropy for r in rows)
+        aux = tuple(k for k in losses.AUX_INPUTS if any(k in losses.get(loss_names[r.loss_index]).aux for r in rows))
         fns = {
-            mode: self._fn((mode, loss_names, losses.version(), losses.config_keys(), extra_keys, with_entropy),
+            mode: self._fn((mode, loss_names, losses.version(), losses.config_keys(), extra_keys, aux),
                            lambda mode=mode: make_model_pass(graphdef, self.config.loss_chunk_size, mode,
                                                              self._counted(name), self._grad_dtype, extra_keys,
-                                                             with_entropy))
+                                                             aux))
             for mode in (("grads", "accumulate") if with_grad else ("forward",))
         }
         fsdp = self.mesh.shape["fsdp"]
         logprobs: list[np.ndarray] = [None] * len(rows)  # type: ignore[list-item]
         elementwise: list[np.ndarray] = [None] * len(rows)  # type: ignore[list-item]
-        entropies: list[np.ndarray | None] = [None] * len(rows)
+        aux_out: list[dict[str, np.ndarray]] = [{} for _ in rows]
         acc = None  # this call's gradients, committed below only once every micro-batch succeeded
         for idx in self._micro_batches(name, rows):
             chunk = [rows[i] for i in idx]
@@ -268,20 +268,20 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
                 k: put_global(v, NamedSharding(self.mesh, batch_spec(v.ndim))) for k, v in arrays.items()
             }
             if not with_grad:
-                tlp_bt, loss_bt, entropy_bt = self._run(name, fns["forward"], lora, frozen, device_batch)
+                tlp_bt, loss_bt, aux_bt = self._run(name, fns["forward"], lora, frozen, device_batch)
             elif acc is None:
-                acc, tlp_bt, loss_bt, entropy_bt = self._run(name, fns["grads"], lora, frozen, device_batch)
+                acc, tlp_bt, loss_bt, aux_bt = self._run(name, fns["grads"], lora, frozen, device_batch)
             else:
-                acc, tlp_bt, loss_bt, entropy_bt = self._run(name, fns["accumulate"], lora, frozen, acc, device_batch)
+                acc, tlp_bt, loss_bt, aux_bt = self._run(name, fns["accumulate"], lora, frozen, acc, device_batch)
             tlp_bt, loss_bt = to_host(tlp_bt), to_host(loss_bt)
-            entropy_bt = to_host(entropy_bt) if entropy_bt is not None else None
+            aux_bt = {k: to_host(v) for k, v in aux_bt.items()}
             for b, i in enumerate(idx):
                 n = len(rows[i].input_ids)
                 cols = rows[i].targets.shape[1] if rows[i].targets.ndim == 2 else None  # [n, K] in, [n, K] out
                 logprobs[i] = tlp_bt[b, :n, :cols] if cols else tlp_bt[b, :n, 0]
                 elementwise[i] = loss_bt[b, :n]
-                if entropy_bt is not None and losses.get(loss_names[rows[i].loss_index]).needs_entropy:
-                    entropies[i] = entropy_bt[b, :n]
+                for k in losses.get(loss_names[rows[i].loss_index]).aux:  # what the row's loss reads, returned
+                    aux_out[i][k] = aux_bt[k][b, :n]
         by_request: dict[int, list[int]] = {}
         for i, row in enumerate(rows):
             by_request.setdefault(row.request_index, []).append(i)
@@ -299,7 +299,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
                 {
                     "logprobs": types.TensorData.from_numpy(logprobs[i].astype(np.float32)),
                     "elementwise_loss": types.TensorData.from_numpy(elementwise[i].astype(np.float32)),
-                } | ({} if entropies[i] is None else {"entropy": types.TensorData.from_numpy(entropies[i].astype(np.float32))})
+                } | {k: types.TensorData.from_numpy(v.astype(np.float32)) for k, v in aux_out[i].items()}
                 for i in members
             ]
             loss_sum = float(sum(elementwise[i].astype(np.float64).sum() for i in members))

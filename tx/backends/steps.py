@@ -45,15 +45,17 @@ def make_model_pass(
     on_trace: Callable[[], None],
     grad_dtype: Any = None,
     extra_keys: tuple[str, ...] = (),
-    with_entropy: bool = False,
+    aux: tuple[str, ...] = (),
 ) -> Callable:
     """The jitted pass of one micro-batch, by `mode` (gradients cast to `grad_dtype` when given):
 
-    - "forward":    `(lora, frozen, batch) -> (target_logprobs [b, t, K], per_token_loss [b, t], entropy)`
-    - "grads":      `(lora, frozen, batch) -> (grads, tlp, loss, entropy)`: the first micro-batch of a call
-    - "accumulate": `(lora, frozen, acc, batch) -> (acc + grads, tlp, loss, entropy)`, `acc` donated
+    - "forward":    `(lora, frozen, batch) -> (target_logprobs [b, t, K], per_token_loss [b, t], aux)`
+    - "grads":      `(lora, frozen, batch) -> (grads, tlp, loss, aux)`: the first micro-batch of a call
+    - "accumulate": `(lora, frozen, acc, batch) -> (acc + grads, tlp, loss, aux)`, `acc` donated
 
-    `entropy` is each position's entropy [b, t] when `with_entropy` (some row's loss reads it), else None.
+    `aux` holds the per-position quantities [b, t] some row's loss reads (`losses.AUX_INPUTS`), each computed only
+    when named in `aux`: "entropy" (of each position's next-token distribution) and "values" (the row's adapter's
+    value head on the final hidden states). They are loss inputs (with their gradients) and outputs.
 
     `extra_keys` are the extra per-token loss inputs the batch carries (`losses.extra_input_keys()`).
     None of them reads the gradient sums: a call accumulates into its own temporary and the backend
@@ -67,16 +69,18 @@ def make_model_pass(
                            positions_bt=batch["positions"], segment_ids_bt=batch["segment_ids"])
         # targets [b, t, K]: the extra cost of K > 1 is a gather of K values per position of each chunk
         inputs = {k: batch[k] for k in losses.INPUT_KEYS + extra_keys}
-        entropy_bt = None
-        if with_entropy:
-            tlp_bt, entropy_bt = model.target_logprobs(hidden_btd, batch["targets"], adapter_b, chunk_size=chunk_size,
-                                                       with_entropy=True)
-            inputs["entropy"] = entropy_bt
+        aux_bt = {}
+        if "entropy" in aux:
+            tlp_bt, aux_bt["entropy"] = model.target_logprobs(hidden_btd, batch["targets"], adapter_b,
+                                                              chunk_size=chunk_size, with_entropy=True)
         else:
             tlp_bt = model.target_logprobs(hidden_btd, batch["targets"], adapter_b, chunk_size=chunk_size)
-        loss_bt = losses.per_token_losses(tlp_bt, inputs, batch["loss_index"], batch["config"], loss_names, keys)
+        if "values" in aux:
+            aux_bt["values"] = model.values(hidden_btd, adapter_b)
+        loss_bt = losses.per_token_losses(tlp_bt, inputs | aux_bt, batch["loss_index"], batch["config"], loss_names,
+                                          keys)
         loss_bt = jnp.where(batch["attention_mask"] > 0, loss_bt, 0.0)
-        return jnp.sum(loss_bt), (tlp_bt, loss_bt, entropy_bt)
+        return jnp.sum(loss_bt), (tlp_bt, loss_bt, aux_bt)
 
     def forward(lora, frozen, batch):
         on_trace()

@@ -74,9 +74,11 @@ def _write_slot(full: jax.Array, value_at_slot: jax.Array, slot: jax.Array, axis
 
 
 def clear_adapter(model: Any, slot: int) -> None:
-    """Zero every LoRA weight and scale of `slot`: the slot then computes exactly the base model."""
+    """Zero every LoRA weight and scale (and the value head) of `slot`: the slot then computes exactly the base
+    model."""
     for _, module, _ in lora_modules(model):
-        for var in (module.lora_a, module.lora_b, module.lora_scale):
+        for var in (module.lora_a, module.lora_b, module.lora_scale,
+                    *([module.value_head] if hasattr(module, "value_head") else [])):
             _set_slot(var, slot, np.zeros(_slot_shape(var), np.float32))
 
 
@@ -92,7 +94,7 @@ def init_adapter(
     train_unembed: bool = True,
 ) -> None:
     """PEFT's default init in `slot`: A ~ kaiming-uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)) with the
-    fan-in of one layer (and one expert), columns >= rank zero; B = 0; scale alpha / rank."""
+    fan-in of one layer (and one expert), columns >= rank zero; B = 0; scale alpha / rank; value head 0."""
     max_rank = model.slots.max_lora_rank
     if not 0 < rank <= max_rank:
         raise ValueError(f"LoRA rank {rank} must be in [1, max_lora_rank={max_rank}]")
@@ -114,6 +116,8 @@ def init_adapter(
         _set_slot(module.lora_a, slot, a)
         _set_slot(module.lora_b, slot, b)
         _set_slot(module.lora_scale, slot, scale)
+        if hasattr(module, "value_head"):  # a critic's value head starts at V = 0
+            _set_slot(module.value_head, slot, np.zeros(_slot_shape(module.value_head), np.float32))
 
 
 def plan_adapter_weights(

@@ -20,7 +20,7 @@ from tx.kernels.lora import add_lora_head_delta
 from tx.kernels.paged_attention import PagedKV
 from tx.models.config import LoraSlots, ModelConfig
 from tx.models.layers.attention import Attention
-from tx.models.layers.lora import lora_variables
+from tx.models.layers.lora import ValueHead, lora_variables
 from tx.models.layers.mlp import MLP
 from tx.models.layers.moe import SparseMoE
 from tx.models.layers.norm import RMSNorm
@@ -151,6 +151,7 @@ class LMHead(nnx.Module):
         self.lora_a, self.lora_b, self.lora_scale = lora_variables(
             (), slots.max_lora_adapters, slots.max_lora_rank, d, vocab
         )
+        self.value_head = ValueHead(jnp.zeros((slots.max_lora_adapters, d, 1), jnp.float32))
 
     def __call__(self, h_btd: jax.Array, embedding_vd: jax.Array, adapter_b: jax.Array | None) -> jax.Array:
         """float32 logits [b, t, vocab]."""
@@ -282,6 +283,11 @@ class Qwen3ForCausalLM(nnx.Module):
     def logits(self, h_btd: jax.Array, adapter_indices_b: jax.Array | None) -> jax.Array:
         """float32 logits [b, t, vocab] (small t: sampling, tests; training uses `target_logprobs`)."""
         return self.lm_head(h_btd, self.embed_tokens.embedding[...], adapter_indices_b)
+
+    def values(self, hidden_btd: jax.Array, adapter_indices_b: jax.Array) -> jax.Array:
+        """float32 V [b, t]: each row's adapter's value head on the final hidden states."""
+        w_bd = self.lm_head.value_head[...][adapter_indices_b, :, 0]
+        return jnp.einsum("btd,bd->bt", hidden_btd.astype(jnp.float32), w_bd)
 
     def target_logprobs(
         self,

@@ -44,6 +44,7 @@ LINEAR_AXES: dict[str, tuple[str | None, str | None]] = {
 OTHER_SPECS: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("embed_tokens", "embedding"): ("tp", "fsdp"),  # [vocab, d]
     ("gate", "kernel"): (None, None),  # MoE router [d, experts], small and read by every token
+    ("lm_head", "value_head"): (None, None, None),  # [A, d, 1]: tiny, replicated
 }
 
 

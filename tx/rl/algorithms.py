@@ -486,6 +486,25 @@ def clip_fraction(name: str, logprobs_bt, old_logprobs_bt, advantages_bt, mask_b
     return 0.0
 
 
+def value_loss(values_t, old_values_t, returns_t, value_clip) -> jax.Array:
+    """The critic's per-token loss (PPO's clipped value loss, as SkyRL): with V' = old + clip(V - old, -c, c),
+    0.5 * max((V' - R)^2, (V - R)^2); `value_clip` c <= 0 means no clipping, 0.5 * (V - R)^2. Not reduced:
+    callers weigh it by the masked token mean over the mini-batch."""
+    v, old, ret = jnp.asarray(values_t), jnp.asarray(old_values_t), jnp.asarray(returns_t)
+    clipped = old + jnp.clip(v - old, -value_clip, value_clip)
+    unclipped = (v - ret) ** 2
+    return 0.5 * jnp.where(value_clip > 0, jnp.maximum((clipped - ret) ** 2, unclipped), unclipped)
+
+
+def value_clip_fraction(values_bt, old_values_bt, returns_bt, mask_bt, value_clip: float) -> float:
+    """Share of valid tokens whose clipped value loss is the larger one (SkyRL's `vf_clipfrac`)."""
+    if value_clip <= 0:
+        return 0.0
+    v, old, ret, m = (_f64(x) for x in (values_bt, old_values_bt, returns_bt, mask_bt))
+    clipped = old + np.clip(v - old, -value_clip, value_clip)
+    return float(_masked_mean(((clipped - ret) ** 2 > (v - ret) ** 2).astype(np.float64), m))
+
+
 # ---------------------------------------------------------------------------------------------------
 # loss reduction (spec 2.5) as per-token weights
 
@@ -698,7 +717,8 @@ __all__ = [
     "advantage_estimator_names", "compute_advantages", "batch_normalize_advantages",
     "KL_ESTIMATORS", "kl_estimate",
     "PolicyLossFn", "PolicyLossSpec", "POLICY_LOSS_INPUT_KEYS", "POLICY_LOSS_PARAM_FIELDS",
-    "register_policy_loss", "policy_loss", "policy_loss_names", "select_cov_tokens", "clip_fraction",
+    "register_policy_loss", "policy_loss", "policy_loss_names", "select_cov_tokens", "clip_fraction", "value_loss",
+    "value_clip_fraction",
     "LOSS_REDUCTIONS", "reduction_weights", "sequence_mean_weights",
     "OffPolicyCorrection", "apply_off_policy_correction",
     "zero_variance_mask", "dynamic_sampling_filter", "KLController", "apply_kl_in_reward",

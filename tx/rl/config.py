@@ -41,9 +41,10 @@ NOT_APPLICABLE = {
     "trainer.policy.optimizer_config.offload_after_step": "optimizer CPU offload between colocated Ray workers",
     "trainer.ref": "the reference policy of a LoRA run is the base model itself (adapter slot 0): no second "
                    "model, no placement",
-    "trainer.critic": "critic placement and a separate critic model: tx.rl has no critic (advantage_estimator "
-                      "'gae' is refused)",
-    "trainer.critic_mini_batch_size": "tx.rl has no critic",
+    "trainer.critic.fsdp_config": "PyTorch FSDP wrapping: tx shards over its (fsdp, ep, tp) mesh",
+    "trainer.critic.sequence_parallel_size": "Ulysses sequence parallelism: tx shards over its own mesh",
+    "trainer.critic.model_config_kwargs": "the critic is an adapter on the policy's base model",
+    "trainer.critic.optimizer_config.offload_after_step": "optimizer CPU offload between colocated Ray workers",
     "trainer.fully_async": "SkyRL's fully-async trainer: tx.rl runs sampling and training in one program, in turn",
     "trainer.gradient_checkpointing_use_reentrant": "a PyTorch checkpointing option",
     "trainer.flash_attn": "tx picks its own attention kernel",
@@ -75,6 +76,17 @@ class ModelConfig(_Seed):
 class PolicyConfig(_Seed):
     model: ModelConfig = ModelConfig()
     optimizer_config: OptimizerConfig = OptimizerConfig()
+
+
+class CriticConfig(_Seed):
+    """`gae`'s critic: in tx a LoRA adapter with a scalar value head on the policy's base model (path None or
+    the policy's path), trained beside the policy in the same program."""
+
+    class Model(ModelConfig):
+        path: str | None = Field(None, description="None (or the policy's path): the policy's base model")
+
+    model: Model = Model()
+    optimizer_config: OptimizerConfig = OptimizerConfig(lr=5e-6)
 
 
 class KLCtrlConfig(_Seed):
@@ -146,6 +158,8 @@ class AlgorithmConfig(_Seed):
 class TrainerConfig(_Seed):
     policy: PolicyConfig = PolicyConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
+    critic: CriticConfig = CriticConfig()
+    critic_mini_batch_size: int = Field(256, ge=1)
     gradient_checkpointing: bool = True
     seed: int = 42
     resume_mode: Literal["none", "latest", "from_path"] | None = "latest"
@@ -223,7 +237,8 @@ class TxSettings(_Seed):
 # what a run of a multi-run job may set for itself; everything else (data, batch sizes, generator, model) is the
 # job's, so that the runs' rollouts and passes share device batches
 RUN_FIELDS = ("trainer.seed", "trainer.policy.optimizer_config", "trainer.policy.model.lora.rank",
-              "trainer.policy.model.lora.alpha", "trainer.algorithm")
+              "trainer.policy.model.lora.alpha", "trainer.algorithm", "trainer.critic.optimizer_config",
+              "trainer.critic.model.lora.rank", "trainer.critic.model.lora.alpha")
 
 
 class RunConfig(_Seed):
@@ -314,8 +329,18 @@ class RLConfig(_Seed):
                              f"({', '.join(algorithms.advantage_estimator_names())}; register your own in a module "
                              "listed in environment.imports)")
         if a.advantage_estimator == "gae":
-            raise ValueError("trainer.algorithm.advantage_estimator='gae' needs a critic (value model), which tx.rl "
-                             "does not have; use grpo, rloo or reinforce++")
+            if t.critic.model.path not in (None, t.policy.model.path):
+                raise ValueError(f"trainer.critic.model.path={t.critic.model.path!r}: tx.rl's critic is an adapter "
+                                 "with a value head on the policy's base model; leave it unset")
+            if t.critic.model.lora.rank < 1:
+                raise ValueError("trainer.critic.model.lora.rank=0: tx.rl's critic is a LoRA adapter with a value "
+                                 "head; set a rank >= 1 (and alpha, target_modules)")
+            if t.train_batch_size % t.critic_mini_batch_size:
+                raise ValueError(f"trainer.train_batch_size={t.train_batch_size} must be a multiple of "
+                                 f"trainer.critic_mini_batch_size={t.critic_mini_batch_size} (both count prompts)")
+        elif t.critic.model.path is not None:
+            raise ValueError(f"trainer.critic.model.path is set but advantage_estimator="
+                             f"{a.advantage_estimator!r} reads no critic (only 'gae' does)")
         if a.policy_loss_type not in algorithms.policy_loss_names():
             raise ValueError(f"trainer.algorithm.policy_loss_type={a.policy_loss_type!r} is not registered "
                              f"({', '.join(algorithms.policy_loss_names())})")

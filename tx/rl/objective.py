@@ -9,6 +9,9 @@ every run of a job, in-process and on a server started with `python -m tx.run --
 that register your own policy losses: the server must hold the same ones). A number that names no registered
 policy loss fails that request alone, naming it.
 
+The critic of `gae` runs trains with "tx.rl.value": `weights * value_loss(V, old_values, returns, value_clip)`,
+V from its adapter's value head (`needs_values`), `weights` the masked token mean over the mini-batch.
+
 One loss instead of one per (policy loss, KL estimator): the backend evaluates every registered loss on every
 row, so the pairs would multiply that cost and the number of compiled programs.
 """
@@ -24,6 +27,8 @@ from tx import losses
 from tx.rl import algorithms
 
 OBJECTIVE = "tx.rl"
+VALUE_OBJECTIVE = "tx.rl.value"
+VALUE_INPUTS = ("returns", "old_values")
 EXTRA_INPUTS = ("ref_logprobs", "kl_weights", "entropy_weights", "rl_mask", "rl_selected")
 KL_ORDER = tuple(sorted(algorithms.KL_ESTIMATORS))
 _SELECTORS = ("policy_loss", "kl_estimator", "kl_loss_coef", "entropy_loss_coef")
@@ -93,5 +98,12 @@ def register_objective() -> None:
                     replace=True, check=_check)
 
 
+def _value_objective(tlp, inputs, config):
+    return inputs["weights"] * algorithms.value_loss(inputs["values"], inputs["old_values"], inputs["returns"],
+                                                     config["value_clip"])
+
+
 register_objective()
 algorithms.on_policy_loss_registered(register_objective)
+losses.register(VALUE_OBJECTIVE, _value_objective, config_defaults={"value_clip": 0.2}, input_keys=VALUE_INPUTS,
+                needs_values=True, replace=True)

@@ -70,11 +70,19 @@ class LocalPolicy:
         return [o["logprobs"].to_numpy().astype(np.float64) for o in out.loss_fn_outputs]
 
     def forward_backward(self, requests: dict[str, tuple[list[Datum], str, dict]]) -> dict[str, PassResult]:
-        out = self.backend.forward_backward(prepared_batch(
+        """One pass with gradients over every model's datums ({model id: (datums, loss, loss config)})."""
+        return self._pass(requests, self.backend.forward_backward, "forward_backward")
+
+    def forward(self, requests: dict[str, tuple[list[Datum], str, dict]]) -> dict[str, PassResult]:
+        """The same without gradients (e.g. a critic's values before its update)."""
+        return self._pass(requests, self.backend.forward, "forward")
+
+    def _pass(self, requests, call, what: str) -> dict[str, PassResult]:
+        out = call(prepared_batch(
             {name: (name, datums, loss, config) for name, (datums, loss, config) in requests.items()}))
         results = {}
         for name in requests:
-            r = _ok(out[name], f"run {name}: forward_backward")
+            r = _ok(out[name], f"{name}: {what}")
             results[name] = PassResult(r.metrics["loss:sum"], [{k: v.to_numpy() for k, v in o.items()}
                                                                 for o in r.loss_fn_outputs])
         return results
@@ -155,6 +163,12 @@ class RemotePolicy:
         return [np.asarray(f.result()[1:], np.float64) for f in futures]  # the first token has no log-prob
 
     def forward_backward(self, requests: dict[str, tuple[list[Datum], str, dict]]) -> dict[str, PassResult]:
+        return self._pass(requests, "forward_backward")
+
+    def forward(self, requests: dict[str, tuple[list[Datum], str, dict]]) -> dict[str, PassResult]:
+        return self._pass(requests, "forward")
+
+    def _pass(self, requests, what: str) -> dict[str, PassResult]:
         T = self.tinker.types
         futures = {}
         for name, (datums, loss, config) in requests.items():
@@ -163,7 +177,7 @@ class RemotePolicy:
                 "target_tokens": list(d["targets"]), **{k: f32(d[k]) for k in ("weights", "logprobs", "advantages")
                                                         if k in d},
                 **{k: f32(v) for k, v in d.get("extra", {}).items()}}) for d in datums]
-            futures[name] = self.clients[name].forward_backward(data, loss, config)
+            futures[name] = getattr(self.clients[name], what)(data, loss, config)
         out = {}
         for name, f in futures.items():
             r = f.result()

@@ -32,46 +32,26 @@ from tqdm import tqdm
 
 from tx import types
 from tx.backends.config import JaxBackendConfig
-from tx.rl import algorithms, objective
+from tx.rl import algorithms, critic, objective
+from tx.rl.batch import datum, from_targets, per_target, response_arrays
 from tx.rl.config import RLConfig
 from tx.rl.env import EnvPool, import_env_modules
 from tx.rl.policy import LocalPolicy, RemotePolicy
 from tx.rl.rollout import ChatTokens, PromptRow, RolloutParams, Trajectory, rollout
 from tx.sft.data import load_rows
-from tx.sft.seed_config import lora_targets
+from tx.sft.seed_config import OptimizerConfig, lora_targets
 
 LATEST = "latest_ckpt_global_step.txt"
-def learning_rate(cfg: RLConfig, optimizer_step: int, total: int) -> float:
+
+
+def learning_rate(opt: OptimizerConfig, optimizer_step: int, total: int) -> float:
     """The seed's schedules over optimizer steps (HF semantics): linear warmup, then constant / cosine / linear."""
-    opt = cfg.trainer.policy.optimizer_config
     if optimizer_step < opt.num_warmup_steps:
         return opt.lr * (optimizer_step + 1) / opt.num_warmup_steps
     if opt.scheduler == "constant_with_warmup":
         return opt.lr
     progress = (optimizer_step - opt.num_warmup_steps) / max(1, total - opt.num_warmup_steps)
     return opt.lr * (0.5 * (1 + math.cos(math.pi * progress)) if opt.scheduler == "cosine" else 1 - progress)
-
-
-def _response_arrays(trajectories: list[Trajectory]) -> dict[str, np.ndarray]:
-    """Right-padded [B, T] arrays over the response tokens: loss mask, sampler log-probs, token rewards."""
-    b, t = len(trajectories), max(1, max(len(tr.response_ids) for tr in trajectories))
-    out = {k: np.zeros((b, t), np.float64) for k in ("mask", "response", "logprobs", "rewards")}
-    for i, tr in enumerate(trajectories):
-        n = len(tr.response_ids)
-        out["mask"][i, :n] = tr.loss_mask
-        out["response"][i, :n] = 1.0
-        out["logprobs"][i, :n] = tr.logprobs
-        for pos, r in zip(tr.reward_positions, tr.turn_rewards):
-            out["rewards"][i, pos] += r
-    return out
-
-
-def _per_target(tr: Trajectory, values: np.ndarray) -> list[float]:
-    """A response-aligned row as the datum's per-target list: target p predicts token p + 1 of prompt + response."""
-    p = len(tr.prompt_ids)
-    out = np.zeros(p + len(tr.response_ids) - 1)
-    out[p - 1:] = values[: len(tr.response_ids)]
-    return out.tolist()
 
 
 @dataclass
@@ -83,6 +63,11 @@ class Run:
     loss_params: dict[str, float]
     kl_ctrl: algorithms.KLController
     correction: algorithms.OffPolicyCorrection
+
+    @property
+    def critic(self) -> str | None:
+        """The model id of its critic (`gae` runs), else None."""
+        return critic.critic_id(self.name) if self.cfg.trainer.algorithm.advantage_estimator == "gae" else None
 
     @classmethod
     def build(cls, name: str, cfg: RLConfig) -> Run:
@@ -121,8 +106,10 @@ class RLTrainer:
         if 0 in ranks:
             raise ValueError("trainer.policy.model.lora.rank=0 (full training): tx.rl trains LoRA adapters; "
                              "set a rank >= 1")
+        critics = [r for r in self.runs if r.critic]
+        ranks += [r.cfg.trainer.critic.model.lora.rank for r in critics]
         config = JaxBackendConfig(
-            max_lora_adapters=cfg.tx.max_lora_adapters or len(self.runs) + 1, max_lora_rank=max(ranks),
+            max_lora_adapters=cfg.tx.max_lora_adapters or len(self.runs) + len(critics) + 1, max_lora_rank=max(ranks),
             max_seq_len=a.max_seq_len, train_micro_batch_size=t.micro_train_batch_size_per_gpu,
             gradient_checkpointing=t.gradient_checkpointing, loss_chunk_size=cfg.tx.loss_chunk_size,
             max_num_samples=max(g.n_samples_per_prompt, g.eval_n_samples_per_prompt),
@@ -134,10 +121,12 @@ class RLTrainer:
             self.policy = LocalPolicy(base, config)
             base = str(self.policy.model_dir)
         for run in self.runs:
-            policy = run.cfg.trainer.policy
-            self.policy.create(run.name, types.LoraConfig(
-                rank=policy.model.lora.rank, alpha=policy.model.lora.alpha, seed=run.cfg.trainer.seed,
-                **lora_targets(policy.model.lora.target_modules, policy.model.lora.exclude_modules)))
+            for model_id, lora in ((run.name, run.cfg.trainer.policy.model.lora),
+                                   (run.critic, run.cfg.trainer.critic.model.lora)):
+                if model_id:
+                    self.policy.create(model_id, types.LoraConfig(
+                        rank=lora.rank, alpha=lora.alpha, seed=run.cfg.trainer.seed,
+                        **lora_targets(lora.target_modules, lora.exclude_modules)))
         tokenizer = AutoTokenizer.from_pretrained(base, use_fast=not t.disable_fast_tokenizer)
         self.chat = ChatTokens(tokenizer, g.chat_template_kwargs)
         self.train_rows = self._load(cfg.data.train_data)
@@ -148,6 +137,7 @@ class RLTrainer:
                              f"trainer.train_batch_size={t.train_batch_size}")
         self.total_steps = self.steps_per_epoch * t.epochs
         self.optimizer_steps_per_step = (t.train_batch_size // t.policy_mini_batch_size) * t.update_epochs_per_batch
+        self.critic_steps_per_step = (t.train_batch_size // t.critic_mini_batch_size) * t.update_epochs_per_batch
         self.global_step = 0
         self.batches_used = 0  # data batches sampled so far: > global_step when dynamic sampling drew more
         if len(self.runs) > 1 and any(r.cfg.trainer.algorithm.dynamic_sampling.type for r in self.runs):
@@ -221,16 +211,24 @@ class RLTrainer:
         phase = time.perf_counter()
         kl_runs = [r for r in self.runs if r.cfg.trainer.algorithm.use_kl_loss or r.cfg.trainer.algorithm.use_kl_in_reward]
         refs = self._reference_logprobs({r.name: by_run[r.name] for r in kl_runs}) if kl_runs else {}
-        timing["fwd_logprobs"] = time.perf_counter() - phase
+        critics = {r.critic: by_run[r.name] for r in self.runs if r.critic}
+        values = critic.old_values(self.policy, critics) if critics else {}
+        timing["fwd_logprobs_values"] = time.perf_counter() - phase
         phase = time.perf_counter()
         prepared = {}
         for run in self.runs:
             trajectories = by_run[run.name]
             record |= {self._prefix(run) + k: v for k, v in self._rollout_metrics(trajectories).items()}
-            prepared[run.name], metrics = self._prepare(run, trajectories, refs.get(run.name))
+            prepared[run.name], metrics = self._prepare(run, trajectories, refs.get(run.name),
+                                                        values.get(run.critic))
             record |= {self._prefix(run) + k: v for k, v in metrics.items()}
         timing["compute_advantages_and_returns"] = time.perf_counter() - phase
         phase = time.perf_counter()
+        if critics:
+            for run_name, metrics in self._update_critics(by_run, prepared).items():
+                record |= {self._prefix(self._run(run_name)) + k: v for k, v in metrics.items()}
+            timing["critic_train"] = time.perf_counter() - phase
+            phase = time.perf_counter()
         for run_name, metrics in self._update(by_run, prepared).items():
             record |= {self._prefix(self._run(run_name)) + k: v for k, v in metrics.items()}
         timing["policy_train"] = time.perf_counter() - phase
@@ -296,13 +294,19 @@ class RLTrainer:
         record[self._prefix(run) + "dynamic_sampling/sampled_batches"] = tries
         return {run.name: [tr for members in kept for tr in members]}
 
+    def _model_ids(self) -> list[str]:
+        """Every adapter the job trains: each run's policy, and its critic if it has one."""
+        return [m for r in self.runs for m in (r.name, r.critic) if m]
+
     def _run(self, name: str) -> Run:
         return next(r for r in self.runs if r.name == name)
 
-    def _prepare(self, run: Run, trajectories: list[Trajectory], ref: np.ndarray | None) -> tuple[dict, dict]:
-        """Rewards, filters, KL in reward, advantages and off-policy correction of one run's batch."""
+    def _prepare(self, run: Run, trajectories: list[Trajectory], ref: np.ndarray | None,
+                 values: np.ndarray | None) -> tuple[dict, dict]:
+        """Rewards, filters, KL in reward, advantages (and returns, with a critic's `values`) and off-policy
+        correction of one run's batch."""
         g, a = run.cfg.generator, run.cfg.trainer.algorithm
-        arrays = _response_arrays(trajectories)
+        arrays = response_arrays(trajectories)
         metrics: dict[str, Any] = {}
         stopped = np.array([tr.stop_reason == "stop" for tr in trajectories])
         if g.zero_reward_on_non_stop:
@@ -322,8 +326,8 @@ class RLTrainer:
                                                                        run.kl_ctrl.value)
             metrics |= {"loss/avg_kl": current, "loss/kl_loss_coef": run.kl_ctrl.value}
             run.kl_ctrl.update(current, len(trajectories))
-        advantages, _ = algorithms.compute_advantages(
-            a.advantage_estimator, arrays["rewards"], arrays["response"], group_b,
+        advantages, returns = algorithms.compute_advantages(
+            a.advantage_estimator, arrays["rewards"], arrays["response"], group_b, values_bt=values,
             params=algorithms.EstimatorParams(gamma=a.gamma, lambd=a.lambd, grpo_norm_by_std=a.grpo_norm_by_std))
         if a.advantage_batch_normalize:
             advantages = algorithms.batch_normalize_advantages(advantages, arrays["mask"])
@@ -333,19 +337,18 @@ class RLTrainer:
         if a.use_kl_loss or a.use_kl_in_reward:
             kl = np.asarray(algorithms.kl_estimate(a.kl_estimator_type, old, ref), np.float64)
             metrics["policy/policy_kl"] = float((kl * algorithms.sequence_mean_weights(mask)).sum())
-        return {"advantages": advantages, "old": old, "ref": ref, "mask": mask, "tis": tis}, metrics
+        prep = {"advantages": advantages, "old": old, "ref": ref, "mask": mask, "tis": tis}
+        if values is not None:
+            prep |= {"values": values, "returns": returns}
+            metrics |= {"critic/values_mean": float((values * mask).sum() / max(mask.sum(), 1)),
+                        "critic/returns_mean": float((returns * mask).sum() / max(mask.sum(), 1))}
+        return prep, metrics
 
     def _reference_logprobs(self, by_run: dict[str, list[Trajectory]]) -> dict[str, np.ndarray]:
         """log p_base(response token) [B, T] per run, from the base model (slot 0) in one forward."""
         trajectories = [tr for trs in by_run.values() for tr in trs]
         outputs = iter(self.policy.base_logprobs([tr.prompt_ids + tr.response_ids for tr in trajectories]))
-        refs = {}
-        for name, trs in by_run.items():
-            ref = np.zeros((len(trs), max(1, max(len(tr.response_ids) for tr in trs))))
-            for i, tr in enumerate(trs):
-                ref[i, :len(tr.response_ids)] = next(outputs)[len(tr.prompt_ids) - 1:]
-            refs[name] = ref
-        return refs
+        return {name: from_targets(trs, [next(outputs) for _ in trs]) for name, trs in by_run.items()}
 
     def _minibatch(self, run: Run, trajectories: list[Trajectory], prep: dict, idx: np.ndarray,
                    rng: np.random.Generator) -> tuple[list[dict], str, dict[str, float]]:
@@ -361,13 +364,12 @@ class RLTrainer:
         datums = []
         for j, i in enumerate(idx):
             tr = trajectories[i]
-            full = tr.prompt_ids + tr.response_ids
-            datums.append({
-                "input_ids": full[:-1], "targets": full[1:], "weights": _per_target(tr, weights[j]),
-                "logprobs": _per_target(tr, old[i]), "advantages": _per_target(tr, adv[i]),
-                "extra": {"ref_logprobs": _per_target(tr, prep["ref"][i]), "kl_weights": _per_target(tr, kl_weights[j]),
-                          "entropy_weights": _per_target(tr, entropy_weights[j]), "rl_mask": _per_target(tr, m[j]),
-                          "rl_selected": _per_target(tr, selected[j])}})
+            datums.append(datum(tr) | {
+                "weights": per_target(tr, weights[j]), "logprobs": per_target(tr, old[i]),
+                "advantages": per_target(tr, adv[i]),
+                "extra": {"ref_logprobs": per_target(tr, prep["ref"][i]), "kl_weights": per_target(tr, kl_weights[j]),
+                          "entropy_weights": per_target(tr, entropy_weights[j]), "rl_mask": per_target(tr, m[j]),
+                          "rl_selected": per_target(tr, selected[j])}})
         config = objective.objective_config(a.policy_loss_type, a.kl_estimator_type, run.loss_params,
                                             a.kl_loss_coef if a.use_kl_loss else 0.0,
                                             a.entropy_loss_coef if a.use_entropy_loss else 0.0)
@@ -391,16 +393,15 @@ class RLTrainer:
                 for run in self.runs:
                     result = out[run.name]
                     opt = run.cfg.trainer.policy.optimizer_config
-                    lr = learning_rate(run.cfg, optimizer_step, self.total_steps * self.optimizer_steps_per_step)
+                    lr = learning_rate(opt, optimizer_step, self.total_steps * self.optimizer_steps_per_step)
                     grad_norm = self.policy.optim_step(run.name, types.AdamParams(
                         learning_rate=lr, beta1=opt.adam_betas[0], beta2=opt.adam_betas[1],
                         weight_decay=opt.weight_decay, grad_clip_norm=opt.max_grad_norm))
                     trajectories, prep = by_run[run.name], prepared[run.name]
-                    current, entropy = np.zeros_like(prep["mask"][idx]), np.zeros_like(prep["mask"][idx])
-                    for j, (i, o) in enumerate(zip(idx, result.outputs)):
-                        p, n = len(trajectories[i].prompt_ids), len(trajectories[i].response_ids)
-                        current[j, :n] = o["logprobs"][p - 1:]
-                        entropy[j, :n] = o["entropy"][p - 1:]
+                    width = prep["mask"].shape[1]
+                    rows_tr = [trajectories[i] for i in idx]
+                    current = from_targets(rows_tr, [o["logprobs"] for o in result.outputs], width)
+                    entropy = from_targets(rows_tr, [o["entropy"] for o in result.outputs], width)
                     a = run.cfg.trainer.algorithm
                     clip = algorithms.clip_fraction(a.policy_loss_type, current, prep["old"][idx], prep["advantages"][idx],
                                                     prep["mask"][idx], run.loss_params)
@@ -410,6 +411,37 @@ class RLTrainer:
                                                                        / max(prep["mask"][idx].sum(), 1)))):
                         sums[run.name].setdefault(key, []).append(value)
                 optimizer_step += 1
+        return {name: {k: float(np.mean(v)) for k, v in s.items()} for name, s in sums.items()}
+
+    def _update_critics(self, by_run: dict[str, list[Trajectory]], prepared: dict[str, dict]) -> dict[str, dict]:
+        """The critics' `update_epochs_per_batch` passes in mini-batches of `critic_mini_batch_size` prompts: one
+        forward_backward per mini-batch holding every critic's rows, then an AdamW step per critic."""
+        t = self.cfg.trainer
+        runs = [r for r in self.runs if r.critic]
+        rows_per_mini = t.critic_mini_batch_size * self.cfg.generator.n_samples_per_prompt
+        rows = len(by_run[runs[0].name])
+        sums: dict[str, dict[str, list[float]]] = {r.name: {} for r in runs}
+        step = self.global_step * self.critic_steps_per_step
+        for _ in range(t.update_epochs_per_batch):
+            for lo in range(0, rows, rows_per_mini):
+                idx = np.arange(lo, min(lo + rows_per_mini, rows))
+                out = self.policy.forward_backward({r.critic: critic.value_datums(
+                    by_run[r.name], idx, prepared[r.name], r.cfg.trainer.algorithm.value_clip) for r in runs})
+                for run in runs:
+                    opt = run.cfg.trainer.critic.optimizer_config
+                    lr = learning_rate(opt, step, self.total_steps * self.critic_steps_per_step)
+                    grad_norm = self.policy.optim_step(run.critic, types.AdamParams(
+                        learning_rate=lr, beta1=opt.adam_betas[0], beta2=opt.adam_betas[1],
+                        weight_decay=opt.weight_decay, grad_clip_norm=opt.max_grad_norm))
+                    prep, result = prepared[run.name], out[run.critic]
+                    current = from_targets([by_run[run.name][i] for i in idx], [o["values"] for o in result.outputs],
+                                           prep["mask"].shape[1])
+                    clipfrac = algorithms.value_clip_fraction(current, prep["values"][idx], prep["returns"][idx],
+                                                              prep["mask"][idx], run.cfg.trainer.algorithm.value_clip)
+                    for key, value in (("critic/critic_loss", result.loss_sum), ("critic/grad_norm", grad_norm),
+                                       ("critic/critic_lr", lr), ("critic/vf_clipfrac", clipfrac)):
+                        sums[run.name].setdefault(key, []).append(value)
+                step += 1
         return {name: {k: float(np.mean(v)) for k, v in s.items()} for name, s in sums.items()}
 
     def _rollout_metrics(self, trajectories: list[Trajectory]) -> dict[str, Any]:
@@ -452,11 +484,11 @@ class RLTrainer:
         t = self.cfg.trainer
         root = Path(t.ckpt_path).expanduser()
         step_dir = root / f"global_step_{self.global_step}"
-        states = {run.name: self.policy.save(run.name, step_dir / run.name) for run in self.runs}
+        states = {model_id: self.policy.save(model_id, step_dir / model_id) for model_id in self._model_ids()}
         step_dir.mkdir(parents=True, exist_ok=True)
-        (step_dir / "trainer_state.json").write_text(json.dumps({"policy_state": states,
+        (step_dir / "trainer_state.json").write_text(json.dumps({
             "global_step": self.global_step, "batches_used": self.batches_used,
-            "kl_coef": {r.name: r.kl_ctrl.value for r in self.runs},
+            "kl_coef": {r.name: r.kl_ctrl.value for r in self.runs}, "policy_state": states,
             "config": self.cfg.model_dump()}))
         (root / LATEST).write_text(str(self.global_step))  # last: a crash before it leaves the previous one
         if t.max_ckpts_to_keep > 0:
@@ -477,8 +509,9 @@ class RLTrainer:
         else:
             target = Path(t.resume_path).expanduser()
         state = json.loads((target / "trainer_state.json").read_text())
+        for model_id in self._model_ids():
+            self.policy.load(model_id, target / model_id, state.get("policy_state", {}).get(model_id, {}))
         for run in self.runs:
-            self.policy.load(run.name, target / run.name, state.get("policy_state", {}).get(run.name, {}))
             run.kl_ctrl.value = state["kl_coef"][run.name]
         self.global_step = state["global_step"]
         self.batches_used = state.get("batches_used", self.global_step)

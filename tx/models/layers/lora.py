@@ -26,6 +26,12 @@ class LoraB(nnx.Param):
     """LoRA up-projection factor (trainable, float32)."""
 
 
+class ValueHead(LoraB):
+    """A per-adapter scalar value head `[A, d, 1]` on the final hidden states (trainable, float32, zero at init):
+    an RL critic's V(s). Trained, saved and cleared with the adapter's LoRA factors; only losses that read
+    values (`needs_values`) give it a gradient, and the LM never reads it."""
+
+
 class LoraScale(nnx.Variable):
     """Per-adapter scaling alpha / rank of one module (not trained)."""
 

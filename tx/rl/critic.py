@@ -1,0 +1,40 @@
+"""`gae`'s critic in tx: per run, a LoRA adapter with a scalar value head on the policy's base model (model id
+`<run>-critic`), living in the same backend (or server) as the policy. Its values before the update feed GAE;
+then it trains on the value loss (`tx.rl.value`: PPO's clipped value loss against the GAE returns, masked token
+mean over each mini-batch), with its own optimizer (`trainer.critic.optimizer_config`) and mini-batches of
+`trainer.critic_mini_batch_size` prompts. Its cost: one LoRA adapter and a [hidden] vector, and one more forward
+over the batch (the old values) plus its own training passes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tx.rl import algorithms
+from tx.rl.batch import datum, from_targets, per_target
+from tx.rl.objective import VALUE_OBJECTIVE
+from tx.rl.rollout import Trajectory
+
+
+def critic_id(run_name: str) -> str:
+    return f"{run_name}-critic"
+
+
+def old_values(policy, by_critic: dict[str, list[Trajectory]]) -> dict[str, np.ndarray]:
+    """V [B, T] (response-aligned: the state before each response token) of each critic's episodes, one forward."""
+    out = policy.forward({cid: ([datum(tr) for tr in trs], VALUE_OBJECTIVE, {"value_clip": 0.0})
+                          for cid, trs in by_critic.items()})
+    return {cid: from_targets(trs, [o["values"] for o in out[cid].outputs]) for cid, trs in by_critic.items()}
+
+
+def value_datums(trajectories: list[Trajectory], idx: np.ndarray, prep: dict, value_clip: float
+                 ) -> tuple[list[dict], str, dict]:
+    """One critic mini-batch: rows `idx`, weights = the masked token mean over the mini-batch."""
+    m = prep["mask"][idx]
+    weights = algorithms.reduction_weights("token_mean", m)
+    datums = []
+    for j, i in enumerate(idx):
+        tr = trajectories[i]
+        datums.append(datum(tr) | {"weights": per_target(tr, weights[j]), "extra": {
+            "returns": per_target(tr, prep["returns"][i]), "old_values": per_target(tr, prep["values"][i])}})
+    return datums, VALUE_OBJECTIVE, {"value_clip": float(value_clip)}
