@@ -122,3 +122,20 @@ def test_errors_change_nothing(tiny_dirs, tmp_path):
             assert np.array_equal(snapshot[k], v)
     out = backend.forward(make_batch([ce_request("r", "c", random_datums(3, [5]))]))
     assert isinstance(out["r"], types.ForwardBackwardOutput)
+
+
+def test_checkpoints_from_before_the_value_head_load_with_a_zero_head(tiny_dirs, tmp_path, monkeypatch):
+    run = _backend(tiny_dirs)
+    _train(run, "a", 2, seed=0)
+    flatten = training._flatten
+    with monkeypatch.context() as m:  # write the checkpoint as tx did before value heads existed
+        m.setattr(training, "_flatten", lambda tree: {k: v for k, v in flatten(tree).items() if "value_head" not in k})
+        run.save_checkpoint(tmp_path / "old", "a")
+    assert not any("value_head" in k for g in training.read_metadata(tmp_path / "old")["shapes"].values() for k in g)
+    other = _backend(tiny_dirs)
+    head = other.model.lm_head.value_head
+    head.set_value(head[...].at[1].set(1.0))  # garbage in the slot: loading must zero it
+    other.load_checkpoint(tmp_path / "old", "a")
+    for k, v in slot_weights(run, "a").items():
+        assert np.array_equal(slot_weights(other, "a")[k], v), k
+    assert not np.any(np.asarray(head[...][1]))

@@ -93,14 +93,18 @@ def load(path, *, weights: Any, scales: Any, opt_state: Any, mesh: Mesh, load_op
     rank = meta["rank"]
     replicated = NamedSharding(mesh, P())
     templates = {"weights": _flatten(weights), "scales": _flatten(scales), "opt_state": _flatten(opt_state)}
-    target = {}
+    target, absent = {}, set()
     for group in templates:  # Adam state is read even when it is not used: it is small, and it validates
         saved = meta["shapes"].get(group, {})
-        if set(saved) != set(templates[group]):
+        # checkpoints from before the value head existed: it (and its Adam moments) start at zero
+        absent |= {(group, k) for k in templates[group] if "value_head" in k and k not in saved}
+        if set(saved) != {k for k in templates[group] if (group, k) not in absent}:
             missing = sorted(set(templates[group]) ^ set(saved))[:3]
             raise CheckpointError(f"checkpoint at {path} does not match this model's {group} (differs at {missing})")
         target[group] = {}
         for k, t in templates[group].items():
+            if (group, k) in absent:
+                continue
             want = list(_slice_rank(np.empty(t.shape, np.bool_), _rank_axis(k), rank).shape)
             if saved[k] != want:
                 raise CheckpointError(f"checkpoint tensor {group}{k} has shape {saved[k]}, this model needs {want}")
@@ -118,6 +122,9 @@ def load(path, *, weights: Any, scales: Any, opt_state: Any, mesh: Mesh, load_op
             return None
         leaves = []
         for k, t in templates[group].items():
+            if (group, k) in absent:
+                leaves.append(jnp.zeros(t.shape, t.dtype))
+                continue
             x = restored[group][k]
             axis = _rank_axis(k)
             if axis is not None:
