@@ -119,6 +119,9 @@ class PreparedModelPassBatch(_Strict):
     all_extra_inputs: dict[str, list[list[float]]] | None = Field(
         None, description="extra per-token loss inputs by key (the keys a loss declares with `input_keys`), "
         "one [n] list per datum ([] = zeros); None = none")
+    all_temperatures: list[float] | None = Field(
+        None, description="per datum: log-probs (and entropy) of softmax(logits / T), as an RL trainer's "
+        "`algorithm.temperature`; > 0; None = 1 for every datum (in-process only: not in Tinker's API)")
 
     @model_validator(mode="after")
     def _same_lengths(self) -> PreparedModelPassBatch:
@@ -129,6 +132,8 @@ class PreparedModelPassBatch(_Strict):
             fields += ("all_segment_ids",)
         if self.all_ratio_masks is not None:
             fields += ("all_ratio_masks",)
+        if self.all_temperatures is not None:
+            fields += ("all_temperatures",)
         for name in fields:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries, all_input_ids has {n}")

@@ -268,6 +268,27 @@ def test_entropy_input_matches_torch_and_trains(tiny_dirs):
     assert all(b < a for a, b in zip(losses_seen, losses_seen[1:])), losses_seen  # maximising it raises it
 
 
+def test_temperature_scales_the_logits_per_datum_as_torch(tiny_dirs):
+    """all_temperatures: log-probs and entropy of softmax(logits / T) per datum; T = 1 rows in the same call are
+    the untempered ones; a T that is not > 0 in float32 fails its request alone."""
+    backend = new_backend(tiny_dirs)
+    datums = random_datums(17, [8, 5])
+    batch = make_batch([("hot", "a", datums, "test_max_entropy", None), ("plain", "a", datums, "test_max_entropy", None),
+                        ("bad", "a", datums[:1], "cross_entropy", None)],
+                       all_temperatures=[0.7, 0.7, 1.0, 1.0, 1e-46])
+    out = backend.forward(batch)
+    assert "datum 0: temperature = 1e-46 must be > 0" in out["bad"].error
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dirs["dense"], dtype=torch.float32)
+    for name, t in (("hot", 0.7), ("plain", 1.0)):
+        for datum, output in zip(datums, out[name].loss_fn_outputs):
+            with torch.no_grad():
+                logits = hf(input_ids=torch.tensor([datum["input_ids"]])).logits[0].double() / t
+            lp = torch.log_softmax(logits, -1)
+            want = lp.gather(-1, torch.tensor(datum["targets"])[:, None])[:, 0].numpy()
+            np.testing.assert_allclose(output["logprobs"].to_numpy(), want, atol=1e-4)
+            np.testing.assert_allclose(output["entropy"].to_numpy(), -(lp.exp() * lp).sum(-1).numpy(), atol=1e-4)
+
+
 @tx.losses.register("test_value_mse", needs_values=True)
 def value_mse(tlp, inputs, config):
     """A critic's loss: weights * (V - advantages)^2 (advantages standing in for the returns)."""

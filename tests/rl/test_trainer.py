@@ -124,6 +124,29 @@ def test_objective_refuses_an_unknown_policy_loss_id():
         tx.losses.resolve_config(objective.OBJECTIVE, {**config, "kl_estimator": 7.0})
 
 
+def test_training_temperature_scales_old_reference_and_trained_logprobs(tmp_path):
+    """generator.sampling_params.temperature=0.7 (algorithm.temperature follows): the old log-probs come from a
+    forward at 0.7 (the sampler's are untempered), so before the update the ratio is 1 (nothing clipped) and the
+    tempered reference equals the policy (KL 0)."""
+    trainer = RLTrainer(example(tmp_path, {"sampling_params": {"max_generate_length": 16, "temperature": 0.7}},
+                                eval_before_train=False, eval_interval=-1, train_batch_size=4, policy_mini_batch_size=4))
+    assert trainer.runs[0].cfg.trainer.algorithm.temperature == 0.7
+    trajectories = trainer._collect({})["policy"]
+    old = trainer._tempered_logprobs({"policy": trajectories})["policy"]
+    sampler = np.zeros_like(old)
+    for i, tr in enumerate(trajectories):
+        sampler[i, :len(tr.logprobs)] = tr.logprobs
+        full = tr.prompt_ids + tr.response_ids
+        out = trainer.policy.backend.forward(make_batch([("r", "policy", [{"input_ids": full[:-1], "targets": full[1:]}],
+                                                          "cross_entropy", None)], all_temperatures=[0.7]))["r"]
+        want = out.loss_fn_outputs[0]["logprobs"].to_numpy()[len(tr.prompt_ids) - 1:]
+        np.testing.assert_allclose(old[i, :len(want)], want, atol=1e-5)
+    assert np.abs(old - sampler).max() > 0.01  # tempered, not the sampler's
+    trainer.batches_used = 0
+    record = trainer.train_step()
+    assert record["policy/policy_kl"] == 0.0 and record["policy/clip_ratio"] == 0.0, record
+
+
 @tx.rl.register_env("test_count_turns", replace=True)
 class CountTurns(tx.rl.Env):
     """Answers every turn with 'again' until the third, then rewards 1."""
@@ -207,7 +230,8 @@ def test_multi_turn_episodes_keep_sampled_and_observation_tokens_apart(tmp_path)
     ({"trainer": {"train_batch_size": 6, "policy_mini_batch_size": 4}}, "train_batch_size=6 must be a multiple"),
     ({"trainer": {"max_ckpts_to_keep": 0}}, "max_ckpts_to_keep=0"),
     ({"trainer": {"algorithm": {"kl_estimator_type": "k4"}}}, "kl_estimator_type"),
-    ({"generator": {"sampling_params": {"temperature": 0.7}}}, "temperature=0.7"),
+    ({"generator": {"sampling_params": {"temperature": 0.7}}, "tx": {"base_url": "http://127.0.0.1:1"}},
+     "trainer.algorithm.temperature=0.7 (default: the sampling temperature): Tinker's forward_backward"),
     ({"trainer": {"typo_field": 1}}, "typo_field"),
 ])
 def test_config_errors_name_the_field(override, says):

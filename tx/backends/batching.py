@@ -32,6 +32,7 @@ class Row:
     config: np.ndarray  # float32 [len(losses.config_keys())]
     segment_ids: np.ndarray  # int32 [n]
     extra: dict[str, np.ndarray] = field(default_factory=dict)  # float32 [n] per extra input key of its loss
+    temperature: float = 1.0  # log-probs of softmax(logits / temperature)
 
 
 def bucket_length(n: int, minimum: int = 16) -> int:
@@ -230,6 +231,7 @@ def validate(
                         config=np.asarray([config.get(k, 0.0) for k in keys], np.float32),
                         segment_ids=segments,
                         extra=_extra_inputs(extra_inputs, i, spec, n, i - start),
+                        temperature=_temperature(batch.all_temperatures, i, i - start),
                     )
                 )
         except (KeyError, ValueError) as e:
@@ -237,6 +239,15 @@ def validate(
             continue
         rows.extend(request_rows)
     return rows, errors
+
+
+def _temperature(temperatures: list[float] | None, i: int, datum: int) -> float:
+    if temperatures is None:
+        return 1.0
+    value = types.float32_value(f"datum {datum}: temperature", temperatures[i])
+    if not value > 0:
+        raise ValueError(f"datum {datum}: temperature = {temperatures[i]} must be > 0")
+    return value
 
 
 def pack(rows: list[Row], num_rows: int, seq_len: int, num_keys: int,
@@ -259,6 +270,7 @@ def pack(rows: list[Row], num_rows: int, seq_len: int, num_keys: int,
         "config": np.zeros((num_rows, num_keys), np.float32),
         "segment_ids": np.zeros((num_rows, seq_len), np.int32),
         "positions": np.zeros((num_rows, seq_len), np.int32),
+        "temperature": np.ones(num_rows, np.float32),
     } | {key: np.zeros((num_rows, seq_len), np.float32) for key in extra_keys}
     for b, row in enumerate(rows):
         n = len(row.input_ids)
@@ -275,6 +287,7 @@ def pack(rows: list[Row], num_rows: int, seq_len: int, num_keys: int,
         out["adapter"][b] = row.adapter
         out["loss_index"][b] = row.loss_index
         out["config"][b] = row.config
+        out["temperature"][b] = row.temperature
         seg = row.segment_ids
         out["segment_ids"][b, :n] = seg
         starts = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])  # first token of each segment

@@ -246,11 +246,12 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         extra_keys = losses.extra_input_keys()
         loss_names = losses.names()
         aux = tuple(k for k in losses.AUX_INPUTS if any(k in losses.get(loss_names[r.loss_index]).aux for r in rows))
+        tempered = any(r.temperature != 1.0 for r in rows)
         fns = {
-            mode: self._fn((mode, loss_names, losses.version(), losses.config_keys(), extra_keys, aux),
+            mode: self._fn((mode, loss_names, losses.version(), losses.config_keys(), extra_keys, aux, tempered),
                            lambda mode=mode: make_model_pass(graphdef, self.config.loss_chunk_size, mode,
                                                              self._counted(name), self._grad_dtype, extra_keys,
-                                                             aux))
+                                                             aux, tempered))
             for mode in (("grads", "accumulate") if with_grad else ("forward",))
         }
         fsdp = self.mesh.shape["fsdp"]

@@ -46,6 +46,7 @@ def make_model_pass(
     grad_dtype: Any = None,
     extra_keys: tuple[str, ...] = (),
     aux: tuple[str, ...] = (),
+    tempered: bool = False,
 ) -> Callable:
     """The jitted pass of one micro-batch, by `mode` (gradients cast to `grad_dtype` when given):
 
@@ -56,6 +57,8 @@ def make_model_pass(
     `aux` holds the per-position quantities [b, t] some row's loss reads (`losses.AUX_INPUTS`), each computed only
     when named in `aux`: "entropy" (of each position's next-token distribution) and "values" (the row's adapter's
     value head on the final hidden states). They are loss inputs (with their gradients) and outputs.
+    `tempered`: log-probs and entropy are of softmax(logits / batch["temperature"][row]) (compiled apart, so
+    untempered passes pay nothing).
 
     `extra_keys` are the extra per-token loss inputs the batch carries (`losses.extra_input_keys()`).
     None of them reads the gradient sums: a call accumulates into its own temporary and the backend
@@ -70,11 +73,14 @@ def make_model_pass(
         # targets [b, t, K]: the extra cost of K > 1 is a gather of K values per position of each chunk
         inputs = {k: batch[k] for k in losses.INPUT_KEYS + extra_keys}
         aux_bt = {}
+        temperature_b = batch["temperature"] if tempered else None
         if "entropy" in aux:
             tlp_bt, aux_bt["entropy"] = model.target_logprobs(hidden_btd, batch["targets"], adapter_b,
-                                                              chunk_size=chunk_size, with_entropy=True)
+                                                              chunk_size=chunk_size, with_entropy=True,
+                                                              temperature_b=temperature_b)
         else:
-            tlp_bt = model.target_logprobs(hidden_btd, batch["targets"], adapter_b, chunk_size=chunk_size)
+            tlp_bt = model.target_logprobs(hidden_btd, batch["targets"], adapter_b, chunk_size=chunk_size,
+                                           temperature_b=temperature_b)
         if "values" in aux:
             aux_bt["values"] = model.values(hidden_btd, adapter_b)
         loss_bt = losses.per_token_losses(tlp_bt, inputs | aux_bt, batch["loss_index"], batch["config"], loss_names,

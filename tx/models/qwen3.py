@@ -296,8 +296,14 @@ class Qwen3ForCausalLM(nnx.Module):
         adapter_indices_b: jax.Array | None = None,
         chunk_size: int = 1024,
         with_entropy: bool = False,
+        temperature_b: jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """float32 log p(target) [b, t], computed `chunk_size` tokens at a time (no [b, t, vocab] tensor);
-        with `with_entropy`, also each position's entropy [b, t]."""
-        return chunked_target_logprobs(self.logits, hidden_btd, targets_bt, adapter_indices_b, chunk_size,
+        with `with_entropy`, also each position's entropy [b, t]; with `temperature_b` [b], of each row's
+        softmax(logits / temperature)."""
+        logits_fn = self.logits
+        if temperature_b is not None:
+            def logits_fn(h_btd, adapter_b):
+                return self.logits(h_btd, adapter_b) / temperature_b.astype(jnp.float32)[:, None, None]
+        return chunked_target_logprobs(logits_fn, hidden_btd, targets_bt, adapter_indices_b, chunk_size,
                                        with_entropy)

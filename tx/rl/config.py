@@ -344,9 +344,9 @@ class RLConfig(_Seed):
         if a.policy_loss_type not in algorithms.policy_loss_names():
             raise ValueError(f"trainer.algorithm.policy_loss_type={a.policy_loss_type!r} is not registered "
                              f"({', '.join(algorithms.policy_loss_names())})")
-        if a.temperature != 1.0:
-            raise ValueError(f"trainer.algorithm.temperature={a.temperature} (from generator.sampling_params."
-                             "temperature): tx trains on untempered log-probs; sample at temperature 1.0")
+        if self.tx.base_url and a.temperature != 1.0:
+            raise ValueError(f"trainer.algorithm.temperature={a.temperature} (default: the sampling temperature): "
+                             "Tinker's forward_backward has no temperature; set 1.0 to train through tx.base_url")
         if g.sampling_params.logprobs == 0:
             raise ValueError("generator.sampling_params.logprobs=0: tx.rl trains on the sampler's log-probs (1)")
         if t.logger == "wandb":

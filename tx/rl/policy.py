@@ -33,7 +33,8 @@ class PassResult:
     outputs: list[dict[str, np.ndarray]]  # per datum: "logprobs", "entropy", ... over its targets
 
 
-Datum = dict[str, Any]  # {"input_ids", "targets", "weights", "logprobs", "advantages", "extra": {key: [t]}}
+Datum = dict[str, Any]  # {"input_ids", "targets", "weights", "logprobs", "advantages", "extra": {key: [t]},
+#                          "temperature" (in-process only: log-probs of softmax(logits / T))}
 
 
 class LocalPolicy:
@@ -62,9 +63,11 @@ class LocalPolicy:
             request_batch_slices=slices))
         return [_ok(out[s[0]], "sampling").sequences for s in slices]
 
-    def base_logprobs(self, sequences: list[list[int]]) -> list[np.ndarray]:
-        """log p_base(token i + 1 | tokens <= i) of each sequence, from the base model (slot 0) in one forward."""
-        datums = [{"input_ids": s[:-1], "targets": s[1:]} for s in sequences]
+    def base_logprobs(self, sequences: list[list[int]], temperatures: list[float] | None = None) -> list[np.ndarray]:
+        """log p_base(token i + 1 | tokens <= i) of each sequence (at its temperature), from the base model
+        (slot 0) in one forward."""
+        datums = [{"input_ids": s[:-1], "targets": s[1:], "temperature": t}
+                  for s, t in zip(sequences, temperatures or [1.0] * len(sequences))]
         out = _ok(self.backend.forward(prepared_batch({"ref": ("", datums, "cross_entropy", None)}))["ref"],
                   "reference forward")
         return [o["logprobs"].to_numpy().astype(np.float64) for o in out.loss_fn_outputs]
@@ -155,7 +158,9 @@ class RemotePolicy:
                                          stop_reason="length" if s.stop_reason == "length" else "stop")
                  for s in f.result().sequences] for f in futures]
 
-    def base_logprobs(self, sequences: list[list[int]]) -> list[np.ndarray]:
+    def base_logprobs(self, sequences: list[list[int]], temperatures: list[float] | None = None) -> list[np.ndarray]:
+        if any(t != 1.0 for t in temperatures or []):
+            raise ValueError("trainer.algorithm.temperature != 1 is not in Tinker's API; train in-process for it")
         if self._base_sampler is None:
             self._base_sampler = self.service.create_sampling_client(base_model=self.base_model).result()
         T = self.tinker.types
@@ -231,4 +236,6 @@ def prepared_batch(requests: dict[str, tuple[str, list[Datum], str, dict | None]
             fields["all_loss_fn_configs"].append(config)
         slices.append((request_id, model_id, start, len(fields["all_input_ids"])))
     extra = {k: [d.get("extra", {}).get(k, []) for d in datums_all] for k in extra_keys}
-    return types.PreparedModelPassBatch(**fields, all_extra_inputs=extra or None, request_batch_slices=slices)
+    temperatures = [float(d.get("temperature", 1.0)) for d in datums_all]
+    return types.PreparedModelPassBatch(**fields, all_extra_inputs=extra or None, request_batch_slices=slices,
+                                        all_temperatures=temperatures if any(t != 1.0 for t in temperatures) else None)

@@ -8,7 +8,9 @@ One training step (SkyRL's order, seed names), for every run of the job at once:
 2. rewards from the envs (`zero_reward_on_non_stop`, `apply_overlong_filtering`, `zero_variance_filter`);
 3. reference log-probs from the base model, adapter slot 0, in one forward (`use_kl_loss` /
    `use_kl_in_reward`; no copy of the weights);
-4. advantages (`advantage_estimator`, `advantage_batch_normalize`), off-policy correction;
+4. advantages (`advantage_estimator`, `advantage_batch_normalize`; `gae` from the run's critic's values),
+   off-policy correction; with `algorithm.temperature` != 1 every log-prob (old, reference, trained) is of
+   softmax(logits / temperature), the old ones from one forward (the sampler's are untempered);
 5. `update_epochs_per_batch` passes over the batch in mini-batches of `policy_mini_batch_size` prompts:
    one forward_backward per mini-batch (a request per run), then an AdamW step per run.
 
@@ -211,6 +213,8 @@ class RLTrainer:
         phase = time.perf_counter()
         kl_runs = [r for r in self.runs if r.cfg.trainer.algorithm.use_kl_loss or r.cfg.trainer.algorithm.use_kl_in_reward]
         refs = self._reference_logprobs({r.name: by_run[r.name] for r in kl_runs}) if kl_runs else {}
+        olds = self._tempered_logprobs({r.name: by_run[r.name] for r in self.runs
+                                        if r.cfg.trainer.algorithm.temperature != 1.0})
         critics = {r.critic: by_run[r.name] for r in self.runs if r.critic}
         values = critic.old_values(self.policy, critics) if critics else {}
         timing["fwd_logprobs_values"] = time.perf_counter() - phase
@@ -220,7 +224,7 @@ class RLTrainer:
             trajectories = by_run[run.name]
             record |= {self._prefix(run) + k: v for k, v in self._rollout_metrics(trajectories).items()}
             prepared[run.name], metrics = self._prepare(run, trajectories, refs.get(run.name),
-                                                        values.get(run.critic))
+                                                        values.get(run.critic), olds.get(run.name))
             record |= {self._prefix(run) + k: v for k, v in metrics.items()}
         timing["compute_advantages_and_returns"] = time.perf_counter() - phase
         phase = time.perf_counter()
@@ -302,9 +306,9 @@ class RLTrainer:
         return next(r for r in self.runs if r.name == name)
 
     def _prepare(self, run: Run, trajectories: list[Trajectory], ref: np.ndarray | None,
-                 values: np.ndarray | None) -> tuple[dict, dict]:
+                 values: np.ndarray | None, old: np.ndarray | None = None) -> tuple[dict, dict]:
         """Rewards, filters, KL in reward, advantages (and returns, with a critic's `values`) and off-policy
-        correction of one run's batch."""
+        correction of one run's batch. `old`: the old log-probs when they are not the sampler's (temperature)."""
         g, a = run.cfg.generator, run.cfg.trainer.algorithm
         arrays = response_arrays(trajectories)
         metrics: dict[str, Any] = {}
@@ -319,7 +323,8 @@ class RLTrainer:
             arrays["mask"][~keep] = 0.0
             metrics["filtered_zero_variance_rows"] = int((~keep).sum())
         ref = np.zeros_like(arrays["logprobs"]) if ref is None else ref
-        old = arrays["logprobs"]  # the sampler's: forward's log-probs under the weights that sampled
+        if old is None:
+            old = arrays["logprobs"]  # the sampler's: forward's log-probs under the weights that sampled
         if a.use_kl_in_reward:
             kl_bt = np.asarray(algorithms.kl_estimate(a.kl_estimator_type, old, ref)) * arrays["mask"]
             arrays["rewards"], current = algorithms.apply_kl_in_reward(arrays["rewards"], kl_bt, arrays["mask"],
@@ -347,8 +352,20 @@ class RLTrainer:
     def _reference_logprobs(self, by_run: dict[str, list[Trajectory]]) -> dict[str, np.ndarray]:
         """log p_base(response token) [B, T] per run, from the base model (slot 0) in one forward."""
         trajectories = [tr for trs in by_run.values() for tr in trs]
-        outputs = iter(self.policy.base_logprobs([tr.prompt_ids + tr.response_ids for tr in trajectories]))
+        temperatures = [self._run(name).cfg.trainer.algorithm.temperature for name, trs in by_run.items() for _ in trs]
+        outputs = iter(self.policy.base_logprobs([tr.prompt_ids + tr.response_ids for tr in trajectories],
+                                                 temperatures))
         return {name: from_targets(trs, [next(outputs) for _ in trs]) for name, trs in by_run.items()}
+
+    def _tempered_logprobs(self, by_run: dict[str, list[Trajectory]]) -> dict[str, np.ndarray]:
+        """Old log-probs [B, T] of runs whose `algorithm.temperature` is not 1, from a forward of their own
+        adapters at that temperature (the sampler's are of the untempered distribution); one pass for all."""
+        if not by_run:
+            return {}
+        temperature = {name: self._run(name).cfg.trainer.algorithm.temperature for name in by_run}
+        out = self.policy.forward({name: ([datum(tr) | {"temperature": temperature[name]} for tr in trs],
+                                          "cross_entropy", None) for name, trs in by_run.items()})
+        return {name: from_targets(trs, [o["logprobs"] for o in out[name].outputs]) for name, trs in by_run.items()}
 
     def _minibatch(self, run: Run, trajectories: list[Trajectory], prep: dict, idx: np.ndarray,
                    rng: np.random.Generator) -> tuple[list[dict], str, dict[str, float]]:
@@ -365,7 +382,7 @@ class RLTrainer:
         for j, i in enumerate(idx):
             tr = trajectories[i]
             datums.append(datum(tr) | {
-                "weights": per_target(tr, weights[j]), "logprobs": per_target(tr, old[i]),
+                "temperature": a.temperature, "weights": per_target(tr, weights[j]), "logprobs": per_target(tr, old[i]),
                 "advantages": per_target(tr, adv[i]),
                 "extra": {"ref_logprobs": per_target(tr, prep["ref"][i]), "kl_weights": per_target(tr, kl_weights[j]),
                           "entropy_weights": per_target(tr, entropy_weights[j]), "rl_mask": per_target(tr, m[j]),
