@@ -132,7 +132,7 @@ def test_training_temperature_scales_old_reference_and_trained_logprobs(tmp_path
                                 eval_before_train=False, eval_interval=-1, train_batch_size=4, policy_mini_batch_size=4))
     assert trainer.runs[0].cfg.trainer.algorithm.temperature == 0.7
     trajectories = trainer._collect({})["policy"]
-    old = trainer._tempered_logprobs({"policy": trajectories})["policy"]
+    old = trainer._recomputed_logprobs({"policy": trajectories})["policy"]
     sampler = np.zeros_like(old)
     for i, tr in enumerate(trajectories):
         sampler[i, :len(tr.logprobs)] = tr.logprobs
@@ -145,6 +145,22 @@ def test_training_temperature_scales_old_reference_and_trained_logprobs(tmp_path
     trainer.batches_used = 0
     record = trainer.train_step()
     assert record["policy/policy_kl"] == 0.0 and record["policy/clip_ratio"] == 0.0, record
+
+
+def test_rank_0_trains_every_weight_against_a_frozen_reference(tmp_path):
+    """lora.rank=0: full training (FullBackend) with the KL loss against a frozen copy of the base weights: KL is
+    0 before the first update and > 0 after (the reference did not move with the policy); exports are HF models."""
+    policy = {"model": {"path": "tiny", "lora": {"rank": 0}}, "optimizer_config": {"lr": 1e-4, "weight_decay": 0.0}}
+    trainer = RLTrainer(example(tmp_path, eval_before_train=False, eval_interval=-1, train_batch_size=4,
+                                policy_mini_batch_size=4, epochs=1, ckpt_interval=-1, policy=policy))
+    assert trainer.full and trainer.policy.reference is not trainer.policy.backend
+    records = [trainer.train_step() for _ in range(2)]
+    assert records[0]["policy/policy_kl"] == 0.0 and records[1]["policy/policy_kl"] > 0.0, records
+    trainer.export(tmp_path / "export")
+    assert (tmp_path / "export/policy/config.json").exists()
+    assert list((tmp_path / "export/policy").glob("*.safetensors"))
+    with pytest.raises(ValidationError, match="rank=0 .full training.*a job of several runs needs LoRA"):
+        example(tmp_path, policy=policy, runs=[{"name": "a"}, {"name": "b"}])
 
 
 @tx.rl.register_env("test_count_turns", replace=True)

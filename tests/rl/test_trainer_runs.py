@@ -1,5 +1,6 @@
 """tx.rl jobs side by side and over several data batches: a job of two runs (different seeds, learning rates,
-ranks, losses; one of them PPO with GAE and a critic) equals each run alone, and dynamic sampling draws more batches until the kept groups'
+ranks, losses; one of them PPO with GAE and a critic) equals each run alone, checkpoints its critic, and
+samples further batches for the one run that uses dynamic sampling; and dynamic sampling draws more batches until the kept groups'
 rewards differ. (Exact resume: test_trainer.py's example test.)"""
 
 import json
@@ -54,6 +55,22 @@ def test_two_runs_in_one_job_equal_each_run_alone(tmp_path):
     saved, loaded = (get_adapter_weights(t.policy.backend.model, slot[t], 4) for t in (job, again))
     for key in saved:
         np.testing.assert_array_equal(saved[key][1], loaded[key][1])
+    # dynamic sampling per run of a shared job: b keeps only groups whose rewards differ, drawing batches for
+    # itself alone once a (no dynamic sampling) took the first one as it is
+    job.train_rows = job._load([_half_constant_data(tmp_path, constant_every=2)])
+    job.steps_per_epoch = job.total_steps = len(job.train_rows) // 8
+    job.batches_used = 0
+    job._run("b").cfg.trainer.algorithm.dynamic_sampling.type = "filter"
+    record = {}
+    out = job._collect(record)
+    assert len(out["a"]) == len(out["b"]) == 8 * 8
+    rewards = {name: {} for name in out}
+    for name, trajectories in out.items():
+        for tr in trajectories:
+            rewards[name].setdefault(tr.group, []).append(tr.reward)
+    assert all(len(set(r)) > 1 for r in rewards["b"].values()) and any(set(r) == {0.5} for r in rewards["a"].values())
+    assert job.batches_used == record["b/dynamic_sampling/sampled_batches"] >= 2
+    assert "a/dynamic_sampling/sampled_batches" not in record
     with pytest.raises(ValidationError, match=r"runs\['a'\].trainer.train_batch_size: a run may only set"):
         example(tmp_path, runs=[{"name": "a", "trainer": {"train_batch_size": 4}}])
 

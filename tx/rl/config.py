@@ -300,7 +300,18 @@ class RLConfig(_Seed):
         names = [r.name for r in self.runs]
         if len(set(names)) != len(names):
             raise ValueError(f"runs: names must be unique, got {names}")
-        self.run_configs()  # every run's overrides validate
+        configs = self.run_configs()  # every run's overrides validate
+        full = [name for name, c in configs.items() if c.trainer.policy.model.lora.rank == 0]
+        if full:
+            why = ("trainer.policy.model.lora.rank=0 (full training: every base weight trains, one model at a "
+                   "time)")
+            if len(configs) > 1:
+                raise ValueError(f"{why}: a job of several runs needs LoRA (set a rank >= 1 for {full})")
+            if self.tx.base_url:
+                raise ValueError(f"{why}: Tinker's API trains LoRA adapters; train in-process or set a rank")
+            if configs[full[0]].trainer.algorithm.advantage_estimator == "gae":
+                raise ValueError(f"{why}: gae's critic is a LoRA adapter beside the policy; use a rank >= 1 "
+                                 "or another advantage_estimator")
         return self
 
     def _check(self) -> None:

@@ -40,11 +40,25 @@ Datum = dict[str, Any]  # {"input_ids", "targets", "weights", "logprobs", "advan
 class LocalPolicy:
     """The tx JAX backend in this process: one backend call per trainer call, every run's rows in it."""
 
-    def __init__(self, base_model: str, config):
-        from tx.backends.jax import JaxBackend
+    def __init__(self, base_model: str, config, frozen_reference: bool = False):
+        """`config.training_mode="full"` (rank 0) trains every base weight (FullBackend, one model); then the
+        reference policy needs `frozen_reference`: a second, untrained copy of the base weights (a LoRA-mode
+        backend with the smallest slots), which costs one more set of base weights in the policy's compute dtype
+        (`mixed_precision.param_dtype`, bf16 by default: 2 bytes a parameter) and its own compiled forward."""
+        from tx.backends.full import backend_class
 
-        self.backend = JaxBackend(base_model, config)
+        self.backend = backend_class(config)(base_model, config)
         self.model_dir = self.backend.model_dir
+        self.full = config.training_mode == "full"
+        self.reference = self.backend
+        if frozen_reference:
+            from tx.backends.jax import JaxBackend
+
+            # in the policy's compute dtype, so before the first update the two give the same log-probs (KL 0)
+            dtype = {"bf16": "bfloat16", "fp32": "float32"}[self.backend.precision.param_dtype]
+            self.reference = JaxBackend(base_model, config.model_copy(update={
+                "training_mode": "lora", "mixed_precision": None, "max_lora_adapters": 2, "max_lora_rank": 1,
+                "dtype": dtype}))
 
     def create(self, name: str, lora: types.LoraConfig) -> None:
         self.backend.create_model(name, lora)
@@ -68,7 +82,7 @@ class LocalPolicy:
         (slot 0) in one forward."""
         datums = [{"input_ids": s[:-1], "targets": s[1:], "temperature": t}
                   for s, t in zip(sequences, temperatures or [1.0] * len(sequences))]
-        out = _ok(self.backend.forward(prepared_batch({"ref": ("", datums, "cross_entropy", None)}))["ref"],
+        out = _ok(self.reference.forward(prepared_batch({"ref": ("", datums, "cross_entropy", None)}))["ref"],
                   "reference forward")
         return [o["logprobs"].to_numpy().astype(np.float64) for o in out.loss_fn_outputs]
 
@@ -101,8 +115,13 @@ class LocalPolicy:
         self.backend.load_checkpoint(directory, name)
 
     def export(self, name: str, base_model: str, directory: Path) -> None:
+        """The run's PEFT adapter at `directory`; with full training, the whole model as an HF directory."""
         from tx.checkpoints import peft_format
+        from tx.checkpoints.full import export_hf_model
 
+        if self.full:
+            export_hf_model(directory, self.backend.model, self.model_dir)
+            return
         meta = self.backend.models[name]
         peft_format.export_adapter(self.backend.model, meta.adapter_index, meta.lora_config.rank,
                                    meta.lora_config.alpha, base_model, directory)

@@ -105,13 +105,13 @@ class RLTrainer:
         objective.register_objective()  # over the policy losses registered now (environment.imports' too)
         self.runs = [Run.build(name, run_cfg) for name, run_cfg in cfg.run_configs().items()]
         ranks = [r.cfg.trainer.policy.model.lora.rank for r in self.runs]
-        if 0 in ranks:
-            raise ValueError("trainer.policy.model.lora.rank=0 (full training): tx.rl trains LoRA adapters; "
-                             "set a rank >= 1")
+        self.full = 0 in ranks  # rank 0: every base weight trains (one run; the config checks the rest)
         critics = [r for r in self.runs if r.critic]
         ranks += [r.cfg.trainer.critic.model.lora.rank for r in critics]
         config = JaxBackendConfig(
-            max_lora_adapters=cfg.tx.max_lora_adapters or len(self.runs) + len(critics) + 1, max_lora_rank=max(ranks),
+            training_mode="full" if self.full else "lora",
+            max_lora_adapters=cfg.tx.max_lora_adapters or len(self.runs) + len(critics) + 1,
+            max_lora_rank=max(1, *ranks),
             max_seq_len=a.max_seq_len, train_micro_batch_size=t.micro_train_batch_size_per_gpu,
             gradient_checkpointing=t.gradient_checkpointing, loss_chunk_size=cfg.tx.loss_chunk_size,
             max_num_samples=max(g.n_samples_per_prompt, g.eval_n_samples_per_prompt),
@@ -120,7 +120,8 @@ class RLTrainer:
         if cfg.tx.base_url:
             self.policy: LocalPolicy | RemotePolicy = RemotePolicy(cfg.tx.base_url, t.policy.model.path)
         else:
-            self.policy = LocalPolicy(base, config)
+            kl = any(r.cfg.trainer.algorithm.use_kl_loss or r.cfg.trainer.algorithm.use_kl_in_reward for r in self.runs)
+            self.policy = LocalPolicy(base, config, frozen_reference=self.full and kl)
             base = str(self.policy.model_dir)
         for run in self.runs:
             for model_id, lora in ((run.name, run.cfg.trainer.policy.model.lora),
@@ -142,9 +143,6 @@ class RLTrainer:
         self.critic_steps_per_step = (t.train_batch_size // t.critic_mini_batch_size) * t.update_epochs_per_batch
         self.global_step = 0
         self.batches_used = 0  # data batches sampled so far: > global_step when dynamic sampling drew more
-        if len(self.runs) > 1 and any(r.cfg.trainer.algorithm.dynamic_sampling.type for r in self.runs):
-            raise ValueError("trainer.algorithm.dynamic_sampling: not with several runs (they share each step's "
-                             "rollouts, and each run would keep different prompts)")
         self.pool = EnvPool(int(cfg.environment.skyrl_gym.get("max_env_workers", 32)))
         env_configs = {k: v for k, v in cfg.environment.skyrl_gym.items() if isinstance(v, dict)}
         self.rollout_params = {
@@ -213,8 +211,8 @@ class RLTrainer:
         phase = time.perf_counter()
         kl_runs = [r for r in self.runs if r.cfg.trainer.algorithm.use_kl_loss or r.cfg.trainer.algorithm.use_kl_in_reward]
         refs = self._reference_logprobs({r.name: by_run[r.name] for r in kl_runs}) if kl_runs else {}
-        olds = self._tempered_logprobs({r.name: by_run[r.name] for r in self.runs
-                                        if r.cfg.trainer.algorithm.temperature != 1.0})
+        olds = self._recomputed_logprobs({r.name: by_run[r.name] for r in self.runs
+                                          if r.cfg.trainer.algorithm.temperature != 1.0 or self.full})
         critics = {r.critic: by_run[r.name] for r in self.runs if r.critic}
         values = critic.old_values(self.policy, critics) if critics else {}
         timing["fwd_logprobs_values"] = time.perf_counter() - phase
@@ -244,59 +242,60 @@ class RLTrainer:
         return record
 
     def _collect(self, record: dict[str, Any]) -> dict[str, list[Trajectory]] | None:
-        """This step's episodes: the next data batch's, or with `dynamic_sampling` as many batches as it takes
-        (`filter`: keep the groups whose rewards differ until `train_batch_size` of them; `replace`: once more
-        than `min_replace_ratio` of a batch's groups are good, the others' rows become copies of good groups').
-        None when the data ran out first."""
-        def sample() -> dict[str, list[Trajectory]]:
-            seeds = {r.name: (r.cfg.trainer.seed, self.batches_used) for r in self.runs}
-            out = rollout(self.policy, self.chat, seeds, self.batch_rows(self.batches_used),
-                          self.rollout_params["train"], self.pool)
+        """This step's episodes of every run: the next data batch's, or for a run with `dynamic_sampling` as many
+        batches as it takes (`filter`: keep the groups whose rewards differ until `train_batch_size` of them;
+        `replace`: once more than `min_replace_ratio` of a batch's groups are good, the others' rows become
+        copies of good groups'). Each run keeps its own groups; a further batch is sampled only for the runs
+        that still need one, and the data cursor moves past every batch drawn. None when the data ran out."""
+        size, n = self.cfg.trainer.train_batch_size, self.cfg.generator.n_samples_per_prompt
+        pending = {r.name: r for r in self.runs}
+        kept: dict[str, list[list[Trajectory]]] = {name: [] for name in pending}
+        tries = dict.fromkeys(pending, 0)
+        while pending:
+            if self.batches_used >= self.total_steps:
+                return None
+            batch = self.batches_used
+            out = rollout(self.policy, self.chat, {name: (r.cfg.trainer.seed, batch) for name, r in pending.items()},
+                          self.batch_rows(batch), self.rollout_params["train"], self.pool)
             self.batches_used += 1
-            return out
-
-        if self.batches_used >= self.total_steps:
-            return None
-        ds = self.runs[0].cfg.trainer.algorithm.dynamic_sampling
-        if ds.type is None:
-            return sample()
-        run, size, n = self.runs[0], self.cfg.trainer.train_batch_size, self.cfg.generator.n_samples_per_prompt
-        kept: list[list[Trajectory]] = []
-        tries = 0
-        while self.batches_used < self.total_steps:
-            trajectories = sample()[run.name]
-            tries += 1
-            groups: dict[int, list[Trajectory]] = {}
-            for tr in trajectories:
-                groups.setdefault(tr.group, []).append(tr)
-            good_b = algorithms.dynamic_sampling_filter([tr.reward for tr in trajectories],
-                                                        [tr.group for tr in trajectories], n)
-            good_g = {tr.group for tr, ok in zip(trajectories, good_b) if ok}
-            good = [g for key, g in groups.items() if key in good_g]
-            if ds.type == "filter":
-                kept += good
-                if len(kept) >= size:
-                    kept = kept[:size]
-                    break
-            elif len(good) > len(groups) * ds.min_replace_ratio:
-                rng = np.random.default_rng([run.cfg.trainer.seed, self.batches_used, 2])
-                bad = [key for key in groups if key not in good_g]
-                picks = rng.choice(len(good), len(bad), replace=len(bad) > len(good))
-                for key, pick in zip(bad, picks):
-                    groups[key] = [replace(tr) for tr in good[pick]]
-                kept = list(groups.values())
-                break
-            if ds.max_sample_batches > 0 and tries >= ds.max_sample_batches:
-                raise RuntimeError(f"trainer.algorithm.dynamic_sampling: {tries} batches sampled "
-                                   f"(max_sample_batches={ds.max_sample_batches}) without enough prompts whose "
-                                   "rewards differ")
-        else:
-            return None
-        for group, members in enumerate(kept):
-            for tr in members:
-                tr.group = group
-        record[self._prefix(run) + "dynamic_sampling/sampled_batches"] = tries
-        return {run.name: [tr for members in kept for tr in members]}
+            for name, trajectories in out.items():
+                run, ds = pending[name], pending[name].cfg.trainer.algorithm.dynamic_sampling
+                tries[name] += 1
+                groups: dict[int, list[Trajectory]] = {}
+                for tr in trajectories:
+                    groups.setdefault(tr.group, []).append(tr)
+                done = ds.type is None
+                if done:
+                    kept[name] = list(groups.values())
+                else:
+                    good_b = algorithms.dynamic_sampling_filter([tr.reward for tr in trajectories],
+                                                                [tr.group for tr in trajectories], n)
+                    good_g = {tr.group for tr, ok in zip(trajectories, good_b) if ok}
+                    good = [g for key, g in groups.items() if key in good_g]
+                    if ds.type == "filter":
+                        kept[name] += good
+                        done = len(kept[name]) >= size
+                        kept[name] = kept[name][:size]
+                    elif len(good) > len(groups) * ds.min_replace_ratio:
+                        rng = np.random.default_rng([run.cfg.trainer.seed, batch + 1, 2])
+                        bad = [key for key in groups if key not in good_g]
+                        picks = rng.choice(len(good), len(bad), replace=len(bad) > len(good))
+                        for key, pick in zip(bad, picks):
+                            groups[key] = [replace(tr) for tr in good[pick]]
+                        kept[name], done = list(groups.values()), True
+                    if not done and ds.max_sample_batches > 0 and tries[name] >= ds.max_sample_batches:
+                        raise RuntimeError(f"{self._prefix(run)}trainer.algorithm.dynamic_sampling: {tries[name]} "
+                                           f"batches sampled (max_sample_batches={ds.max_sample_batches}) without "
+                                           "enough prompts whose rewards differ")
+                if done:
+                    del pending[name]
+        for run in self.runs:
+            for group, members in enumerate(kept[run.name]):
+                for tr in members:
+                    tr.group = group
+            if run.cfg.trainer.algorithm.dynamic_sampling.type:
+                record[self._prefix(run) + "dynamic_sampling/sampled_batches"] = tries[run.name]
+        return {name: [tr for members in kept[name] for tr in members] for name in kept}
 
     def _model_ids(self) -> list[str]:
         """Every adapter the job trains: each run's policy, and its critic if it has one."""
@@ -357,9 +356,10 @@ class RLTrainer:
                                                  temperatures))
         return {name: from_targets(trs, [next(outputs) for _ in trs]) for name, trs in by_run.items()}
 
-    def _tempered_logprobs(self, by_run: dict[str, list[Trajectory]]) -> dict[str, np.ndarray]:
-        """Old log-probs [B, T] of runs whose `algorithm.temperature` is not 1, from a forward of their own
-        adapters at that temperature (the sampler's are of the untempered distribution); one pass for all."""
+    def _recomputed_logprobs(self, by_run: dict[str, list[Trajectory]]) -> dict[str, np.ndarray]:
+        """Old log-probs [B, T] from a forward of the runs' own weights, one pass for all, where the sampler's
+        are not the update's: `algorithm.temperature` != 1 (the sampler's are untempered), and full training
+        (bf16 weights: the decode loop and the training pass round differently)."""
         if not by_run:
             return {}
         temperature = {name: self._run(name).cfg.trainer.algorithm.temperature for name in by_run}
