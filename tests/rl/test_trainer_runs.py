@@ -26,7 +26,7 @@ CRITIC_KEYS = ("critic/critic_loss", "critic/grad_norm", "critic/values_mean", "
 
 def test_two_runs_in_one_job_equal_each_run_alone(tmp_path):
     common = {"epochs": 1, "eval_before_train": False, "eval_interval": -1, "ckpt_interval": -1, "hf_save_interval": -1,
-              "critic_mini_batch_size": 4}
+              "train_batch_size": 4, "policy_mini_batch_size": 4, "critic_mini_batch_size": 2}
     job = RLTrainer(example(tmp_path / "job", runs=RUNS, **common))
     alone = {run["name"]: RLTrainer(example(tmp_path / run["name"], runs=[run], **common)) for run in RUNS}
     for _ in range(2):
@@ -58,12 +58,12 @@ def test_two_runs_in_one_job_equal_each_run_alone(tmp_path):
     # dynamic sampling per run of a shared job: b keeps only groups whose rewards differ, drawing batches for
     # itself alone once a (no dynamic sampling) took the first one as it is
     job.train_rows = job._load([_half_constant_data(tmp_path, constant_every=2)])
-    job.steps_per_epoch = job.total_steps = len(job.train_rows) // 8
+    job.steps_per_epoch = job.total_steps = len(job.train_rows) // 4
     job.batches_used = 0
     job._run("b").cfg.trainer.algorithm.dynamic_sampling.type = "filter"
     record = {}
     out = job._collect(record)
-    assert len(out["a"]) == len(out["b"]) == 8 * 8
+    assert len(out["a"]) == len(out["b"]) == 4 * 8
     rewards = {name: {} for name in out}
     for name, trajectories in out.items():
         for tr in trajectories:

@@ -51,7 +51,6 @@ NOT_APPLICABLE = {
     "trainer.log_path": "Ray infrastructure logs",
     "trainer.rope_scaling": "tx reads RoPE settings from the checkpoint",
     "trainer.rope_theta": "tx reads RoPE settings from the checkpoint",
-    "trainer.bf16": "tx keeps the checkpoint's dtype for the base and float32 for LoRA weights and log-probs",
     "trainer.use_sample_packing": "tx packs rows by length under its token budget itself",
     "trainer.micro_forward_batch_size_per_gpu": "tx needs no separate no-grad pass for the old log-probs: its "
                                                 "sampler's log-probs are forward's",
@@ -160,6 +159,8 @@ class TrainerConfig(_Seed):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     critic: CriticConfig = CriticConfig()
     critic_mini_batch_size: int = Field(256, ge=1)
+    bf16: bool = Field(True, description="rank 0: the weights compute in bf16 with float32 masters (else float32); "
+                       "LoRA: False computes the base in float32, True keeps the checkpoint's dtype")
     gradient_checkpointing: bool = True
     seed: int = 42
     resume_mode: Literal["none", "latest", "from_path"] | None = "latest"

@@ -33,7 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tx import types
-from tx.backends.config import JaxBackendConfig
+from tx.backends.config import JaxBackendConfig, MixedPrecisionConfig
 from tx.rl import algorithms, critic, objective
 from tx.rl.batch import datum, from_targets, per_target, response_arrays
 from tx.rl.config import RLConfig
@@ -110,6 +110,8 @@ class RLTrainer:
         ranks += [r.cfg.trainer.critic.model.lora.rank for r in critics]
         config = JaxBackendConfig(
             training_mode="full" if self.full else "lora",
+            mixed_precision=MixedPrecisionConfig(param_dtype="bf16" if t.bf16 else "fp32") if self.full else None,
+            dtype=None if self.full or t.bf16 else "float32",
             max_lora_adapters=cfg.tx.max_lora_adapters or len(self.runs) + len(critics) + 1,
             max_lora_rank=max(1, *ranks),
             max_seq_len=a.max_seq_len, train_micro_batch_size=t.micro_train_batch_size_per_gpu,
