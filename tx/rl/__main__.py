@@ -21,7 +21,6 @@ Data rows (JSONL / Parquet) carry `prompt` (chat messages), optionally `env_clas
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -71,8 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"invalid RL setup: {e}", file=sys.stderr)
         return 2
-    log = trainer.log
-    trainer.log = lambda record: (log(record), print(json.dumps(record), flush=True))  # stdout JSON lines too
+    trainer.metrics.stdout = True  # metrics to stdout as JSON lines too
     trainer.fit()
     return 0
 

@@ -23,7 +23,6 @@ Prints one JSON line per step / eval and a final summary; errors name the offend
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import warnings
@@ -95,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"invalid SFT setup: {e}", file=sys.stderr)
         return 2
-    trainer.log = lambda record: print(json.dumps(record), flush=True)  # metrics to stdout as JSON lines
+    trainer.metrics.stdout = True  # metrics to stdout as JSON lines too
     trainer.fit()
     return 0
 

@@ -20,6 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tx import types
+from tx.metrics import MetricsSink
 from tx.backends.config import JaxBackendConfig
 from tx.backends.full import backend_class
 from tx.backends.jax import JaxBackend
@@ -96,15 +97,9 @@ class SFTTrainer:
         self.total_steps = (cfg.dummy_run_max_steps if cfg.dummy_run_full_ctx
                             else cfg.num_steps or cfg.num_epochs * self.steps_per_epoch)
         self.step = 0
-        self._metrics_file = open(cfg.metrics_file, "a") if cfg.metrics_file else None
-        self._wandb = None
-        if cfg.wandb_project:
-            try:
-                import wandb
-            except ImportError:
-                raise ValueError("wandb_project is set but the wandb package is not installed") from None
-            self._wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, tags=cfg.wandb_tags,
-                                     config=cfg.model_dump())
+        self.metrics = MetricsSink(cfg.metrics_file, dict(
+            project=cfg.wandb_project, name=cfg.wandb_run_name, tags=cfg.wandb_tags, config=cfg.model_dump(),
+        ) if cfg.wandb_project else None)
 
     # ---- data ----
 
@@ -215,11 +210,7 @@ class SFTTrainer:
                                        meta.lora_config.alpha, self.base_model, Path(path) / run.name)
 
     def log(self, record: dict[str, Any]) -> None:
-        if self._metrics_file:
-            self._metrics_file.write(json.dumps(record) + "\n")
-            self._metrics_file.flush()
-        if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record.get("step"))
+        self.metrics.log(record)
 
     def fit(self, stop_after: int | None = None) -> dict[str, Any]:
         """Train to the end (or `stop_after` steps, to simulate an interruption); return a summary."""
@@ -255,6 +246,5 @@ class SFTTrainer:
                     merge(self.base_model, str(Path(self.cfg.export_path) / run.name),
                           Path(self.cfg.export_path) / f"{run.name}-merged")
         self.log(summary)
-        if self._wandb is not None:
-            self._wandb.finish()
+        self.metrics.close()
         return summary
