@@ -33,6 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tx import types
+from tx.metrics import MetricsSink
 from tx.backends.config import JaxBackendConfig, MixedPrecisionConfig
 from tx.rl import algorithms, critic, objective
 from tx.rl.batch import datum, from_targets, per_target, response_arrays
@@ -157,15 +158,8 @@ class RLTrainer:
                 chat_template_kwargs=g.chat_template_kwargs, env_configs=env_configs)
             for split, sp, n in (("train", g.sampling_params, g.n_samples_per_prompt),
                                  ("eval", g.eval_sampling_params, g.eval_n_samples_per_prompt))}
-        self._metrics_file = None
-        if cfg.tx.metrics_file:
-            Path(cfg.tx.metrics_file).parent.mkdir(parents=True, exist_ok=True)
-            self._metrics_file = open(cfg.tx.metrics_file, "a")
-        self._wandb = None
-        if t.logger == "wandb":
-            import wandb
-
-            self._wandb = wandb.init(project=t.project_name, name=t.run_name, config=cfg.model_dump())
+        self.metrics = MetricsSink(cfg.tx.metrics_file, dict(project=t.project_name, name=t.run_name,
+                                                             config=cfg.model_dump()) if t.logger == "wandb" else None)
 
     def _prefix(self, run: Run) -> str:
         """Metric keys are SkyRL's for a single run, '<run>/...' when the job has several."""
@@ -411,11 +405,8 @@ class RLTrainer:
                 out = self.policy.forward_backward(requests)
                 for run in self.runs:
                     result = out[run.name]
-                    opt = run.cfg.trainer.policy.optimizer_config
-                    lr = learning_rate(opt, optimizer_step, self.total_steps * self.optimizer_steps_per_step)
-                    grad_norm = self.policy.optim_step(run.name, types.AdamParams(
-                        learning_rate=lr, beta1=opt.adam_betas[0], beta2=opt.adam_betas[1],
-                        weight_decay=opt.weight_decay, grad_clip_norm=opt.max_grad_norm))
+                    lr, grad_norm = self._adam_step(run.name, run.cfg.trainer.policy.optimizer_config, optimizer_step,
+                                                    self.total_steps * self.optimizer_steps_per_step)
                     trajectories, prep = by_run[run.name], prepared[run.name]
                     width = prep["mask"].shape[1]
                     rows_tr = [trajectories[i] for i in idx]
@@ -432,6 +423,14 @@ class RLTrainer:
                 optimizer_step += 1
         return {name: {k: float(np.mean(v)) for k, v in s.items()} for name, s in sums.items()}
 
+    def _adam_step(self, model_id: str, opt: OptimizerConfig, step: int, total: int) -> tuple[float, float]:
+        """One AdamW step of `model_id` at the schedule's learning rate for optimizer step `step` of `total`:
+        (learning rate, gradient norm)."""
+        lr = learning_rate(opt, step, total)
+        return lr, self.policy.optim_step(model_id, types.AdamParams(
+            learning_rate=lr, beta1=opt.adam_betas[0], beta2=opt.adam_betas[1], weight_decay=opt.weight_decay,
+            grad_clip_norm=opt.max_grad_norm))
+
     def _update_critics(self, by_run: dict[str, list[Trajectory]], prepared: dict[str, dict]) -> dict[str, dict]:
         """The critics' `update_epochs_per_batch` passes in mini-batches of `critic_mini_batch_size` prompts: one
         forward_backward per mini-batch holding every critic's rows, then an AdamW step per critic."""
@@ -447,11 +446,8 @@ class RLTrainer:
                 out = self.policy.forward_backward({r.critic: critic.value_datums(
                     by_run[r.name], idx, prepared[r.name], r.cfg.trainer.algorithm.value_clip) for r in runs})
                 for run in runs:
-                    opt = run.cfg.trainer.critic.optimizer_config
-                    lr = learning_rate(opt, step, self.total_steps * self.critic_steps_per_step)
-                    grad_norm = self.policy.optim_step(run.critic, types.AdamParams(
-                        learning_rate=lr, beta1=opt.adam_betas[0], beta2=opt.adam_betas[1],
-                        weight_decay=opt.weight_decay, grad_clip_norm=opt.max_grad_norm))
+                    lr, grad_norm = self._adam_step(run.critic, run.cfg.trainer.critic.optimizer_config, step,
+                                                    self.total_steps * self.critic_steps_per_step)
                     prep, result = prepared[run.name], out[run.critic]
                     current = from_targets([by_run[run.name][i] for i in idx], [o["values"] for o in result.outputs],
                                            prep["mask"].shape[1])
@@ -541,11 +537,7 @@ class RLTrainer:
             self.policy.export(run.name, self.base_model, path / run.name)
 
     def log(self, record: dict[str, Any]) -> None:
-        if self._metrics_file:
-            self._metrics_file.write(json.dumps(record) + "\n")
-            self._metrics_file.flush()
-        if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record.get("step"))
+        self.metrics.log(record)
 
     def fit(self, stop_after: int | None = None) -> dict[str, Any]:
         """Train to the end (or `stop_after` steps, to simulate an interruption); return a summary."""
@@ -583,6 +575,5 @@ class RLTrainer:
             self.export(Path(t.export_path).expanduser() / f"global_step_{self.global_step}")
         summary = {"summary": True, "steps": self.global_step}
         self.log(summary)
-        if self._wandb is not None:
-            self._wandb.finish()
+        self.metrics.close()
         return summary

@@ -1,0 +1,290 @@
+"""Device-side per-token terms (JAX, one datum at a time, so they vmap like `tx.losses` losses): the KL
+estimators, the policy losses (a registry: regular, dual_clip, gspo, cispo, sapo, clip_cov, kl_cov) and the
+critic's value loss; and their host-side companions (cov token selection, clip fractions)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tx.rl.arrays import check_bt, f64, masked_mean, safe_exp
+
+# ---------------------------------------------------------------------------------------------------
+# KL estimators (spec 2.4), JAX, elementwise
+
+
+def _kl_k1(lp, ref):
+    return lp - ref
+
+
+def _kl_k2(lp, ref):
+    return 0.5 * jnp.square(lp - ref)
+
+
+def _kl_k3(lp, ref):
+    d = jnp.clip(ref - lp, -20.0, 20.0)
+    return jnp.clip(jnp.exp(d) - d - 1.0, -10.0, 10.0)
+
+
+def _kl_abs(lp, ref):
+    return jnp.abs(lp - ref)
+
+
+KL_ESTIMATORS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
+    "k1": _kl_k1, "k2": _kl_k2, "k3": _kl_k3, "abs": _kl_abs,
+}
+"""`kl_estimator_type` -> fn(logprobs, ref_logprobs), elementwise. k1 = lp - ref; k2 = (lp - ref)^2 / 2;
+k3 = clip(exp(d) - d - 1, -10, 10) with d = clip(ref - lp, -20, 20) (SkyRL's clamps); abs = |lp - ref|."""
+
+
+def kl_estimate(kind: str, logprobs, ref_logprobs) -> jax.Array:
+    """Per-token KL(policy || ref) estimate, differentiable w.r.t. `logprobs`; not masked (callers weigh
+    by the mask, e.g. with `sequence_mean_weights`)."""
+    if kind not in KL_ESTIMATORS:
+        raise KeyError(f"unknown kl_estimator_type {kind!r}; known: {', '.join(sorted(KL_ESTIMATORS))}")
+    return KL_ESTIMATORS[kind](jnp.asarray(logprobs), jnp.asarray(ref_logprobs))
+
+
+# ---------------------------------------------------------------------------------------------------
+# policy losses (spec 2.3), JAX, one datum at a time
+
+PolicyLossFn = Callable[[jax.Array, Mapping[str, jax.Array], Mapping[str, jax.Array]], jax.Array]
+"""fn(logprobs_t, inputs {"old_logprobs", "advantages", "mask", "selected"} each [t], params) -> loss [t]"""
+
+POLICY_LOSS_INPUT_KEYS = ("old_logprobs", "advantages", "mask", "selected")
+
+# where each built-in loss parameter lives in the seed config (under trainer.algorithm)
+POLICY_LOSS_PARAM_FIELDS: dict[str, str] = {
+    "eps_clip_low": "eps_clip_low", "eps_clip_high": "eps_clip_high", "clip_ratio_c": "clip_ratio_c",
+    "cispo_eps_clip_low": "cispo.cispo_eps_clip_low", "cispo_eps_clip_high": "cispo.cispo_eps_clip_high",
+    "tau_pos": "sapo.tau_pos", "tau_neg": "sapo.tau_neg",
+    "clip_ratio": "clip_cov.clip_ratio", "clip_cov_lb": "clip_cov.clip_cov_lb", "clip_cov_ub": "clip_cov.clip_cov_ub",
+    "kl_cov_frac": "kl_cov.kl_cov_frac", "ppo_kl_coef": "kl_cov.ppo_kl_coef",
+}
+
+
+@dataclass(frozen=True)
+class PolicyLossSpec:
+    name: str
+    fn: PolicyLossFn
+    params: Mapping[str, float]  # every parameter the loss (and its host-side selection) reads, with defaults
+
+    def resolve(self, overrides: Mapping[str, float] | None = None) -> dict[str, float]:
+        """The defaults overridden by `overrides`; an unknown key raises, naming it and the loss."""
+        unknown = sorted(set(overrides or {}) - set(self.params))
+        if unknown:
+            raise ValueError(f"policy loss {self.name!r} has no parameter {unknown[0]!r} "
+                             f"(accepted: {', '.join(sorted(self.params)) or 'none'})")
+        return {**self.params, **(overrides or {})}
+
+
+_POLICY_LOSSES: dict[str, PolicyLossSpec] = {}
+_ON_POLICY_LOSS: list[Callable[[], None]] = []  # called after each registration (the device objective follows)
+
+
+def on_policy_loss_registered(callback: Callable[[], None]) -> None:
+    _ON_POLICY_LOSS.append(callback)
+
+
+def register_policy_loss(name: str, fn: PolicyLossFn | None = None, *, params: Mapping[str, float] | None = None,
+                         replace: bool = False):
+    """Register a per-datum policy loss under `name` (decorator or plain call), selectable as
+    `trainer.algorithm.policy_loss_type`. `params` lists every parameter the loss reads, with its default.
+    Re-registering a name raises unless `replace=True`."""
+
+    def add(f: PolicyLossFn) -> PolicyLossFn:
+        if name in _POLICY_LOSSES and not replace:
+            raise ValueError(f"policy loss {name!r} is already registered (pass replace=True to override)")
+        _POLICY_LOSSES[name] = PolicyLossSpec(name, f, dict(params or {}))
+        for callback in _ON_POLICY_LOSS:
+            callback()
+        return f
+
+    return add(fn) if fn is not None else add
+
+
+def policy_loss(name: str) -> PolicyLossSpec:
+    if name not in _POLICY_LOSSES:
+        raise KeyError(f"unknown policy_loss_type {name!r}; registered: {', '.join(sorted(_POLICY_LOSSES))}")
+    return _POLICY_LOSSES[name]
+
+
+def policy_loss_names() -> tuple[str, ...]:
+    return tuple(sorted(_POLICY_LOSSES))
+
+
+def _jsafe_exp(d):
+    return jnp.exp(jnp.clip(d, -20.0, 20.0))
+
+
+def _ppo_clipped(ratio, adv, params):
+    """-min(ratio*A, clip(ratio, 1-eps_clip_low, 1+eps_clip_high)*A)."""
+    clipped = jnp.clip(ratio, 1.0 - params["eps_clip_low"], 1.0 + params["eps_clip_high"])
+    return -jnp.minimum(ratio * adv, clipped * adv)
+
+
+_EPS = {"eps_clip_low": 0.2, "eps_clip_high": 0.2}
+
+
+@register_policy_loss("regular", params=_EPS)
+def regular(logprobs_t, inputs, params):
+    """PPO: ratio = safe_exp(lp - old); L = -min(ratio*A, clip(ratio, 1-eps_clip_low, 1+eps_clip_high)*A)."""
+    ratio = _jsafe_exp(logprobs_t - inputs["old_logprobs"])
+    return _ppo_clipped(ratio, inputs["advantages"], params)
+
+
+@register_policy_loss("dual_clip", params={**_EPS, "clip_ratio_c": 3.0})
+def dual_clip(logprobs_t, inputs, params):
+    """Dual-clip PPO: L = where(A < 0, min(-A*clip_ratio_c, L_regular), L_regular)."""
+    adv = inputs["advantages"]
+    loss = regular(logprobs_t, inputs, params)
+    return jnp.where(adv < 0, jnp.minimum(-adv * params["clip_ratio_c"], loss), loss)
+
+
+@register_policy_loss("gspo", params=_EPS)
+def gspo(logprobs_t, inputs, params):
+    """GSPO-token: s = masked_mean(lp - old, mask) over this datum; log r_t = min(lp_t - sg(lp_t) + sg(s), 10)
+    (value s, gradient of its own lp_t); then the PPO clip with eps_clip_low/high. An empty mask gives s=0."""
+    mask = inputs["mask"]
+    delta = jnp.where(mask > 0, logprobs_t - inputs["old_logprobs"], 0.0)
+    seq_log_ratio = jnp.sum(delta * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    lp_sg = jax.lax.stop_gradient(logprobs_t)
+    log_ratio = jnp.minimum(logprobs_t - lp_sg + jax.lax.stop_gradient(seq_log_ratio), 10.0)
+    return _ppo_clipped(jnp.exp(log_ratio), inputs["advantages"], params)
+
+
+@register_policy_loss("cispo", params={"cispo_eps_clip_low": 0.0, "cispo_eps_clip_high": 5.0})
+def cispo(logprobs_t, inputs, params):
+    """CISPO: w = clip(safe_exp(lp - old), 1-cispo_eps_clip_low, 1+cispo_eps_clip_high);
+    L = -A * sg(w) * lp (gradient -A*w through log pi only)."""
+    ratio = _jsafe_exp(logprobs_t - inputs["old_logprobs"])
+    w = jnp.clip(ratio, 1.0 - params["cispo_eps_clip_low"], 1.0 + params["cispo_eps_clip_high"])
+    return -inputs["advantages"] * jax.lax.stop_gradient(w) * logprobs_t
+
+
+@register_policy_loss("sapo", params={"tau_pos": 1.0, "tau_neg": 1.05})
+def sapo(logprobs_t, inputs, params):
+    """SAPO soft gate: ratio = exp(clip(lp - old, -20, 20)); tau = tau_pos if A > 0 else tau_neg;
+    L = -sigmoid(tau*(ratio-1)) * 4/tau * A."""
+    adv = inputs["advantages"]
+    ratio = _jsafe_exp(logprobs_t - inputs["old_logprobs"])
+    tau = jnp.where(adv > 0, params["tau_pos"], params["tau_neg"])
+    return -jax.nn.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv
+
+
+@register_policy_loss("clip_cov", params={**_EPS, "clip_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0})
+def clip_cov(logprobs_t, inputs, params):
+    """Clip-Cov: ratio = exp(lp - old) (no clamp); L = max(-A*ratio, -A*clip(ratio, 1-eps_clip_low,
+    1+eps_clip_high)) * (1 - selected); `selected` (from `select_cov_tokens`) marks the tokens whose gradient
+    is cut (SkyRL's corr = 0)."""
+    adv = inputs["advantages"]
+    ratio = jnp.exp(logprobs_t - inputs["old_logprobs"])
+    clipped = jnp.clip(ratio, 1.0 - params["eps_clip_low"], 1.0 + params["eps_clip_high"])
+    return jnp.maximum(-adv * ratio, -adv * clipped) * (1.0 - inputs["selected"])
+
+
+@register_policy_loss("kl_cov", params={"kl_cov_frac": 0.2, "ppo_kl_coef": 1.0})
+def kl_cov(logprobs_t, inputs, params):
+    """KL-Cov: ratio = exp(lp - old); L = -A*ratio, plus ppo_kl_coef*|lp - old| on `selected` tokens (the
+    top-covariance tokens from `select_cov_tokens`). No PPO clip."""
+    delta = logprobs_t - inputs["old_logprobs"]
+    loss = -inputs["advantages"] * jnp.exp(delta)
+    return jnp.where(inputs["selected"] > 0, loss + params["ppo_kl_coef"] * jnp.abs(delta), loss)
+
+
+def select_cov_tokens(kind: Literal["clip_cov", "kl_cov"], logprobs_bt, advantages_bt, mask_bt,
+                      params: Mapping[str, float], rng: np.random.Generator | None = None, *,
+                      old_logprobs_bt=None) -> np.ndarray:
+    """Batch-level token selection of clip_cov / kl_cov, float32 0/1 [b, t] for `inputs["selected"]`.
+
+    Over the valid tokens (mask > 0) of the batch given, cov = (A - mean A) * (lp - mean lp):
+    - clip_cov: candidates are valid tokens not clipped by PPO (the ratio exp(lp - old_logprobs_bt) with
+      eps_clip_low/high; no token counts as clipped when `old_logprobs_bt` is None) with
+      clip_cov_lb < cov < clip_cov_ub; min(k, #candidates) of them, k = max(int(clip_ratio * sum(mask)), 1),
+      are drawn uniformly without replacement with `rng`. selected = 1: the token's loss is zeroed.
+    - kl_cov: the k = max(1, int(n_valid * kl_cov_frac)) valid tokens of largest cov (ties: first in row-major
+      order). selected = 1: the token gets the KL-penalised loss. `rng` is unused.
+
+    tx selects once per optimizer mini-batch from the logprobs passed here (the trainer passes the
+    pre-update `old` logprobs), while SkyRL selects per micro-batch from the current logprobs."""
+    params = policy_loss(kind).resolve(params)
+    lp = check_bt("logprobs_bt", f64(logprobs_bt))
+    adv = check_bt("advantages_bt", f64(advantages_bt), lp.shape)
+    m = check_bt("mask_bt", f64(mask_bt), lp.shape)
+    valid = m > 0
+    selected = np.zeros(lp.shape, np.float32)
+    if kind == "clip_cov":
+        if rng is None:
+            raise ValueError("clip_cov token selection needs a numpy Generator (rng)")
+        clipped = np.zeros(lp.shape, bool)
+        if old_logprobs_bt is not None:
+            ratio = np.exp(lp - check_bt("old_logprobs_bt", f64(old_logprobs_bt), lp.shape))
+            bounded = np.clip(ratio, 1.0 - params["eps_clip_low"], 1.0 + params["eps_clip_high"])
+            clipped = (-adv * bounded > -adv * ratio) & valid
+        cov = (adv - masked_mean(adv, m)) * (lp - masked_mean(lp, m))
+        cand = valid & ~clipped & (cov > params["clip_cov_lb"]) & (cov < params["clip_cov_ub"])
+        flat = np.flatnonzero(cand)
+        k = max(int(params["clip_ratio"] * m.sum()), 1)
+        if flat.size:
+            selected.flat[rng.choice(flat, size=min(k, flat.size), replace=False)] = 1.0
+    elif kind == "kl_cov":
+        flat = np.flatnonzero(valid)
+        if flat.size:
+            a, l_ = adv.reshape(-1)[flat], lp.reshape(-1)[flat]
+            cov = (a - a.mean()) * (l_ - l_.mean())
+            k = max(1, int(flat.size * params["kl_cov_frac"]))
+            selected.flat[flat[np.argsort(-cov, kind="stable")[:k]]] = 1.0
+    else:
+        raise ValueError(f"select_cov_tokens: kind must be 'clip_cov' or 'kl_cov', got {kind!r}")
+    return selected
+
+
+def clip_fraction(name: str, logprobs_bt, old_logprobs_bt, advantages_bt, mask_bt,
+                  params: Mapping[str, float] | None = None, *, selected_bt=None) -> float:
+    """The `clip_ratio` metric of loss `name` over valid tokens (masked mean):
+    regular / dual_clip / gspo: PPO clip active (-clip(r)A > -rA; gspo with its sequence ratio);
+    cispo: ratio outside [1-cispo_eps_clip_low, 1+cispo_eps_clip_high]; clip_cov: fraction of `selected_bt`
+    (0 when not given); every other loss: 0."""
+    p = policy_loss(name).resolve(params)
+    lp = check_bt("logprobs_bt", f64(logprobs_bt))
+    old = check_bt("old_logprobs_bt", f64(old_logprobs_bt), lp.shape)
+    adv = check_bt("advantages_bt", f64(advantages_bt), lp.shape)
+    m = check_bt("mask_bt", f64(mask_bt), lp.shape)
+    if name in ("regular", "dual_clip", "gspo"):
+        if name == "gspo":
+            seq_b = masked_mean(np.where(m > 0, lp - old, 0.0), m, axis=1)
+            ratio = np.broadcast_to(np.exp(np.minimum(seq_b, 10.0))[:, None], lp.shape)
+        else:
+            ratio = safe_exp(lp - old)
+        bounded = np.clip(ratio, 1.0 - p["eps_clip_low"], 1.0 + p["eps_clip_high"])
+        return float(masked_mean((-bounded * adv > -ratio * adv).astype(np.float64), m))
+    if name == "cispo":
+        ratio = safe_exp(lp - old)
+        out = (ratio < 1.0 - p["cispo_eps_clip_low"]) | (ratio > 1.0 + p["cispo_eps_clip_high"])
+        return float(masked_mean(out.astype(np.float64), m))
+    if name == "clip_cov" and selected_bt is not None:
+        return float(masked_mean(f64(selected_bt), m))
+    return 0.0
+
+
+def value_loss(values_t, old_values_t, returns_t, value_clip) -> jax.Array:
+    """The critic's per-token loss (PPO's clipped value loss, as SkyRL): with V' = old + clip(V - old, -c, c),
+    0.5 * max((V' - R)^2, (V - R)^2); `value_clip` c <= 0 means no clipping, 0.5 * (V - R)^2. Not reduced:
+    callers weigh it by the masked token mean over the mini-batch."""
+    v, old, ret = jnp.asarray(values_t), jnp.asarray(old_values_t), jnp.asarray(returns_t)
+    clipped = old + jnp.clip(v - old, -value_clip, value_clip)
+    unclipped = (v - ret) ** 2
+    return 0.5 * jnp.where(value_clip > 0, jnp.maximum((clipped - ret) ** 2, unclipped), unclipped)
+
+
+def value_clip_fraction(values_bt, old_values_bt, returns_bt, mask_bt, value_clip: float) -> float:
+    """Share of valid tokens whose clipped value loss is the larger one (SkyRL's `vf_clipfrac`)."""
+    if value_clip <= 0:
+        return 0.0
+    v, old, ret, m = (f64(x) for x in (values_bt, old_values_bt, returns_bt, mask_bt))
+    clipped = old + np.clip(v - old, -value_clip, value_clip)
+    return float(masked_mean(((clipped - ret) ** 2 > (v - ret) ** 2).astype(np.float64), m))
