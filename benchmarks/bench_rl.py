@@ -1,7 +1,9 @@
-"""Time per RL step (tx.rl GRPO), split into sampling / reference forward / training, on a tiny and a ~100M model.
+"""Time per RL step (tx.rl GRPO, or PPO with GAE and a critic), split into sampling / reference forward /
+training, on a tiny and a ~100M model.
 
     python benchmarks/bench_rl.py                                       # both shapes, defaults sized for a 2-core CPU
     python benchmarks/bench_rl.py --shapes tiny --steps 8 --train-batch-size 16 --n-samples 4
+    python benchmarks/bench_rl.py --advantage-estimator gae                 # + a critic adapter (value head)
 
 Each shape runs an RLTrainer (config built from a dict with SkyRL's names): `--train-batch-size` prompts x
 `--n-samples` samples per step, GRPO, the `regular` policy loss plus a KL loss against the base model
@@ -12,8 +14,10 @@ random Qwen3 checkpoint of the model-shape flags (defaults: ~100M parameters, vo
 
 `trainer.train_step()` runs `--steps` times. The first step compiles every program: it is reported alone as
 `compile_step_s` and left out of the averages, which are over the remaining steps. Per step, the trainer's
-record splits the time into `timing/generate` (sampling + env rewards), `timing/fwd_logprobs` (the reference
-forward) and `timing/policy_train` (forward_backward + optimizer step per mini-batch); `other_s` is the rest
+record splits the time into `timing/generate` (sampling + env rewards), `timing/fwd_logprobs_values` (the
+reference forward, and with `gae` the critic's values), `timing/critic_train` (gae: the critic's
+forward_backward + optimizer step) and `timing/policy_train` (forward_backward + optimizer step per
+mini-batch); `other_s` is the rest
 of `timing/step` (reward shaping, advantages, building the batches). Generated tokens per step are the
 record's `generate/avg_num_tokens` x prompts x samples. Prints one JSON line per shape.
 """
@@ -57,7 +61,10 @@ def rl_config(model_path: str, data: Path, args: argparse.Namespace, max_generat
         "data": {"train_data": [str(data)], "val_data": [str(data)]},
         "trainer": {
             "policy": {"model": {"path": model_path, "lora": {"rank": args.rank, "alpha": 2 * args.rank}}},
-            "algorithm": {"advantage_estimator": "grpo", "policy_loss_type": "regular", "use_kl_loss": True},
+            "algorithm": {"advantage_estimator": args.advantage_estimator, "policy_loss_type": "regular",
+                          "use_kl_loss": True},
+            **({"critic": {"model": {"lora": {"rank": args.rank, "alpha": 2 * args.rank}}},
+                "critic_mini_batch_size": args.train_batch_size} if args.advantage_estimator == "gae" else {}),
             "epochs": 1,
             "train_batch_size": args.train_batch_size,
             "policy_mini_batch_size": args.train_batch_size,
@@ -116,26 +123,29 @@ def run_shape(shape: str, model_path: str, params: int | None, args: argparse.Na
         return float(np.mean([r[key] for r in timed]))
 
     step, sampling = mean("timing/step"), mean("timing/generate")
-    reference, training = mean("timing/fwd_logprobs"), mean("timing/policy_train")
-    other = step - sampling - reference - training
+    reference, training = mean("timing/fwd_logprobs_values"), mean("timing/policy_train")
+    critic = mean("timing/critic_train") if "timing/critic_train" in timed[0] else 0.0
+    other = step - sampling - reference - training - critic
     generated = [r["generate/avg_num_tokens"] * prompts * samples for r in timed]
     sampled_tps = float(np.mean([g / r["timing/generate"] for g, r in zip(generated, timed)]))
     return {
-        "workload": "rl_step", "framework": "tx",
+        "workload": "rl_step", "framework": "tx", "advantage_estimator": args.advantage_estimator,
         "shapes": {"shape": shape, "params": params, "prompts": prompts, "samples": samples,
                    "max_generate_length": gen_len, "prompt_tokens": prompt_tokens, "rank": args.rank,
                    "hidden": model_cfg.hidden_size, "layers": model_cfg.num_hidden_layers,
                    "vocab": model_cfg.vocab_size, "steps_timed": len(timed)},
         "step_time_s": round(step, 4), "sampling_s": round(sampling, 4),
-        "reference_forward_s": round(reference, 4), "training_s": round(training, 4), "other_s": round(other, 4),
+        "reference_forward_s": round(reference, 4), "training_s": round(training, 4),
+        "critic_training_s": round(critic, 4), "other_s": round(other, 4),
         "sampling_frac": round(sampling / step, 4), "reference_forward_frac": round(reference / step, 4),
-        "training_frac": round(training / step, 4), "other_frac": round(other / step, 4),
+        "training_frac": round(training / step, 4), "critic_training_frac": round(critic / step, 4),
+        "other_frac": round(other / step, 4),
         "generated_tokens_per_step": round(float(np.mean(generated)), 1),
         "sampled_tokens_per_s": round(sampled_tps, 1),
         "tokens_per_s": round(mean("tokens_per_s"), 1),
         "compile_step_s": round(records[0]["timing/step"], 3),
         "compile_step_split_s": {"sampling": records[0]["timing/generate"],
-                                 "reference_forward": records[0]["timing/fwd_logprobs"],
+                                 "reference_forward": records[0]["timing/fwd_logprobs_values"],
                                  "training": records[0]["timing/policy_train"]},
         "setup_s": round(setup_s, 3),
         "compiles": sum(compiles.values()),
@@ -163,6 +173,9 @@ def main() -> None:
                         help=f"RL steps per shape, the first (compiling) one excluded from the averages "
                              f"(default per shape: {DEFAULT_STEPS})")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank on all linear layers, alpha = 2 x rank (default: %(default)s)")
+    parser.add_argument("--advantage-estimator", choices=["grpo", "gae"], default="grpo",
+                        help="grpo, or gae: PPO with a critic (a second LoRA adapter of --rank with a value head; "
+                             "its values join the reference forward's phase; default: %(default)s)")
     parser.add_argument("--micro-batch", type=int, default=64,
                         help="sequences per training micro-batch (trainer.micro_train_batch_size_per_gpu; default: %(default)s)")
     add_model_args(parser, hidden=768, layers=8, heads=12, kv_heads=4, intermediate=2048, vocab=32000)

@@ -50,6 +50,8 @@ class LossSpec:
     needs_entropy: bool = False  # reads inputs["entropy"]: each position's entropy, with its gradient
     check: Callable[[Mapping[str, float]], None] | None = None  # raises ValueError on a bad config
     needs_values: bool = False  # reads inputs["values"]: the row's adapter's value head V [t], with its gradient
+    needs_logprobs: bool = True  # False: never reads target_logprobs (a critic's loss), so passes of only such
+    #                              rows skip the LM head (target_logprobs are zeros there, not returned)
 
     @property
     def aux(self) -> tuple[str, ...]:
@@ -64,7 +66,7 @@ _VERSION = [0]  # bumped on every register: compiled passes key on it, so a repl
 def register(name: str, fn: LossFn | None = None, *, config_defaults: Mapping[str, float] | None = None,
              replace: bool = False, multi_target: bool = False, input_keys: Sequence[str] = (),
              needs_entropy: bool = False, check: Callable[[Mapping[str, float]], None] | None = None,
-             needs_values: bool = False):
+             needs_values: bool = False, needs_logprobs: bool = True):
     """Register `fn` under `name` (use as `@register("name")` or `register("name", fn)`).
 
     `config_defaults` lists every `loss_fn_config` key the loss accepts, with its default; requests with
@@ -73,7 +75,9 @@ def register(name: str, fn: LossFn | None = None, *, config_defaults: Mapping[st
     training pass for `inputs["entropy"]`, the entropy of each position's next-token distribution (computed
     from the same logits chunks as the log-probs, differentiable; only in passes with such a loss's rows).
     `needs_values` asks for `inputs["values"]`: V(s) per position from the row's adapter's scalar value head on
-    the final hidden states (an RL critic; zero at init, trained by this loss's gradient).
+    the final hidden states (an RL critic; zero at init, trained by this loss's gradient). `needs_logprobs=False`
+    says the loss never reads `target_logprobs`: a pass whose rows all use such losses skips the LM head over
+    the vocabulary, and their datums return no "logprobs".
     `check(config)` may refuse a resolved config the defaults cannot express (raise ValueError naming the key
     and value): the request then fails alone. Re-registering a name raises unless `replace=True`."""
     for key in input_keys:
@@ -85,7 +89,7 @@ def register(name: str, fn: LossFn | None = None, *, config_defaults: Mapping[st
         if name in _REGISTRY and not replace:
             raise ValueError(f"loss {name!r} is already registered (pass replace=True to override)")
         _REGISTRY[name] = LossSpec(name, f, dict(config_defaults or {}), multi_target, tuple(input_keys), needs_entropy,
-                                   check, needs_values)
+                                   check, needs_values, needs_logprobs)
         _VERSION[0] += 1
         return f
 

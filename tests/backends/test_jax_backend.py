@@ -289,9 +289,10 @@ def test_temperature_scales_the_logits_per_datum_as_torch(tiny_dirs):
             np.testing.assert_allclose(output["entropy"].to_numpy(), -(lp.exp() * lp).sum(-1).numpy(), atol=1e-4)
 
 
-@tx.losses.register("test_value_mse", needs_values=True)
+@tx.losses.register("test_value_mse", needs_values=True, needs_logprobs=False)
 def value_mse(tlp, inputs, config):
-    """A critic's loss: weights * (V - advantages)^2 (advantages standing in for the returns)."""
+    """A critic's loss: weights * (V - advantages)^2 (advantages standing in for the returns); it never reads
+    log-probs, so a pass of only its rows skips the LM head."""
     return inputs["weights"] * (inputs["values"] - inputs["advantages"]) ** 2
 
 
@@ -310,6 +311,10 @@ def test_value_head_matches_torch_hidden_states_and_trains_only_its_slot(tiny_di
         want = h.double().numpy() @ w_d.astype(np.float64)  # the last hidden state is after the final norm
         np.testing.assert_allclose(output["values"].to_numpy(), want, atol=1e-4)
     assert all("values" not in o for o in out["ce"].loss_fn_outputs)
+    assert all("logprobs" not in o for o in out["v"].loss_fn_outputs)  # it reads none: none returned
+    alone = backend.forward(make_batch([("v", "a", datums, "test_value_mse", None)]))["v"]  # no LM head in this pass
+    for mixed, single in zip(out["v"].loss_fn_outputs, alone.loss_fn_outputs):
+        np.testing.assert_allclose(single["values"].to_numpy(), mixed["values"].to_numpy(), rtol=1e-5, atol=2e-5)
     other = np.asarray(head[...][2]).copy()
     seen = [out["v"].metrics["loss:sum"]]
     for _ in range(3):

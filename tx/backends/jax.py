@@ -247,11 +247,13 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         loss_names = losses.names()
         aux = tuple(k for k in losses.AUX_INPUTS if any(k in losses.get(loss_names[r.loss_index]).aux for r in rows))
         tempered = any(r.temperature != 1.0 for r in rows)
+        with_logprobs = any(losses.get(loss_names[r.loss_index]).needs_logprobs for r in rows)
         fns = {
-            mode: self._fn((mode, loss_names, losses.version(), losses.config_keys(), extra_keys, aux, tempered),
+            mode: self._fn((mode, loss_names, losses.version(), losses.config_keys(), extra_keys, aux, tempered,
+                            with_logprobs),
                            lambda mode=mode: make_model_pass(graphdef, self.config.loss_chunk_size, mode,
                                                              self._counted(name), self._grad_dtype, extra_keys,
-                                                             aux, tempered))
+                                                             aux, tempered, with_logprobs))
             for mode in (("grads", "accumulate") if with_grad else ("forward",))
         }
         fsdp = self.mesh.shape["fsdp"]
@@ -297,10 +299,10 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
                 results[request_id] = types.ErrorResponse(error=failed[r])
                 continue
             outputs = [
-                {
-                    "logprobs": types.TensorData.from_numpy(logprobs[i].astype(np.float32)),
-                    "elementwise_loss": types.TensorData.from_numpy(elementwise[i].astype(np.float32)),
-                } | {k: types.TensorData.from_numpy(v.astype(np.float32)) for k, v in aux_out[i].items()}
+                ({"logprobs": types.TensorData.from_numpy(logprobs[i].astype(np.float32))}
+                 if losses.get(loss_names[rows[i].loss_index]).needs_logprobs else {})
+                | {"elementwise_loss": types.TensorData.from_numpy(elementwise[i].astype(np.float32))}
+                | {k: types.TensorData.from_numpy(v.astype(np.float32)) for k, v in aux_out[i].items()}
                 for i in members
             ]
             loss_sum = float(sum(elementwise[i].astype(np.float64).sum() for i in members))

@@ -47,6 +47,7 @@ def make_model_pass(
     extra_keys: tuple[str, ...] = (),
     aux: tuple[str, ...] = (),
     tempered: bool = False,
+    with_logprobs: bool = True,
 ) -> Callable:
     """The jitted pass of one micro-batch, by `mode` (gradients cast to `grad_dtype` when given):
 
@@ -58,7 +59,8 @@ def make_model_pass(
     when named in `aux`: "entropy" (of each position's next-token distribution) and "values" (the row's adapter's
     value head on the final hidden states). They are loss inputs (with their gradients) and outputs.
     `tempered`: log-probs and entropy are of softmax(logits / batch["temperature"][row]) (compiled apart, so
-    untempered passes pay nothing).
+    untempered passes pay nothing). `with_logprobs=False` (no row's loss reads them, no entropy): the LM head is
+    skipped and target_logprobs are zeros.
 
     `extra_keys` are the extra per-token loss inputs the batch carries (`losses.extra_input_keys()`).
     None of them reads the gradient sums: a call accumulates into its own temporary and the backend
@@ -74,7 +76,9 @@ def make_model_pass(
         inputs = {k: batch[k] for k in losses.INPUT_KEYS + extra_keys}
         aux_bt = {}
         temperature_b = batch["temperature"] if tempered else None
-        if "entropy" in aux:
+        if not with_logprobs and "entropy" not in aux:  # e.g. a critic's pass: V needs no vocabulary projection
+            tlp_bt = jnp.zeros(batch["targets"].shape, jnp.float32)
+        elif "entropy" in aux:
             tlp_bt, aux_bt["entropy"] = model.target_logprobs(hidden_btd, batch["targets"], adapter_b,
                                                               chunk_size=chunk_size, with_entropy=True,
                                                               temperature_b=temperature_b)

@@ -106,4 +106,4 @@ def _value_objective(tlp, inputs, config):
 register_objective()
 algorithms.on_policy_loss_registered(register_objective)
 losses.register(VALUE_OBJECTIVE, _value_objective, config_defaults={"value_clip": 0.2}, input_keys=VALUE_INPUTS,
-                needs_values=True, replace=True)
+                needs_values=True, needs_logprobs=False, replace=True)
