@@ -10,6 +10,8 @@ from tx.metrics import MetricsSink
 
 
 class FakeWandb:
+    """Stands in for the wandb package (also for tests/sft): records what a trainer sends it."""
+
     def __init__(self):
         self.logged, self.finished, self.kwargs = [], False, None
 

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from transformers import AutoModelForCausalLM
 
 from tests.helpers import hf_logprobs
+from tests.test_metrics import FakeWandb
 from tx.models.adapters import get_adapter_weights
 from tx.sft.__main__ import load_config
 from tx.sft.config import SFTConfig
@@ -141,33 +142,16 @@ def test_cache_parquet_dummy_run_and_periodic_exports(tiny_dirs, tmp_path):
     assert dummy.fit()["steps"] == 2 and all(len(e.input_ids) == 64 for e in dummy.train)
 
 
-class _FakeWandb:
-    """Stands in for the wandb package: records what the trainer sends it."""
-
-    def __init__(self):
-        self.logged, self.finished, self.init_args = [], False, None
-
-    def init(self, **kwargs):
-        self.init_args = kwargs
-        return self
-
-    def log(self, values, step=None):
-        self.logged.append((step, values))
-
-    def finish(self):
-        self.finished = True
-
-
 def test_runs_with_their_own_dataset_and_wandb(tiny_dirs, tmp_path, monkeypatch):
     subset = tmp_path / "subset.jsonl"
     subset.write_text("".join(Path(DATA["dataset"]).read_text().splitlines(keepends=True)[:8]))
-    fake = _FakeWandb()
+    fake = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
     own = {"name": "own", "rank": 4, "learning_rate": 1e-2, "seed": 1}
     job = SFTTrainer(config(tiny_dirs, tmp_path, runs=[RUNS[0], own | {"dataset": str(subset)}], num_steps=3,
                             wandb_project="tx-test"))
     job.fit()
-    assert fake.init_args["project"] == "tx-test" and fake.finished
+    assert fake.kwargs["project"] == "tx-test" and fake.finished
     steps = [(step, v) for step, v in fake.logged if "own/loss" in v]
     assert [s for s, _ in steps] == [1, 2, 3] and all("fast/loss" in v for _, v in steps)
     # the run with its own dataset trains exactly as a job whose dataset that is
