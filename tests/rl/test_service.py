@@ -23,8 +23,8 @@ def test_trainer_through_the_service_equals_in_process(tmp_path, monkeypatch):
             "critic_mini_batch_size": 2}
 
     def config(name, resume_path=None, **tx_settings):
-        cfg = example(tmp_path / name, eval_before_train=False, eval_interval=-1, ckpt_interval=-1,
-                      hf_save_interval=-1, train_batch_size=4, policy_mini_batch_size=4,
+        cfg = example(tmp_path / name, {"n_samples_per_prompt": 4}, eval_before_train=False, eval_interval=-1,
+                      ckpt_interval=-1, hf_save_interval=-1, train_batch_size=4, policy_mini_batch_size=4,
                       algorithm={"advantage_estimator": "gae", "lambd": 0.95}, **trainer,
                       **({"resume_mode": "from_path", "resume_path": str(resume_path)} if resume_path else {}))
         return cfg.model_copy(update={"tx": cfg.tx.model_copy(update=tx_settings)})

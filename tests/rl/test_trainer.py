@@ -139,12 +139,14 @@ def test_rank_0_and_temperature_train_against_a_frozen_tempered_reference(tmp_pa
     trajectories = trainer._collect({})["policy"]
     old = trainer._recomputed_logprobs({"policy": trajectories})["policy"]
     sampler = np.zeros_like(old)
-    for i, tr in enumerate(trajectories[:4]):
+    first = trajectories[:4]
+    datums = [{"input_ids": (tr.prompt_ids + tr.response_ids)[:-1], "targets": (tr.prompt_ids + tr.response_ids)[1:]}
+              for tr in first]
+    out = trainer.policy.backend.forward(make_batch([("r", "policy", datums, "cross_entropy", None)],
+                                                    all_temperatures=[0.7] * len(first)))["r"]
+    for i, (tr, o) in enumerate(zip(first, out.loss_fn_outputs)):
         sampler[i, :len(tr.logprobs)] = tr.logprobs
-        full = tr.prompt_ids + tr.response_ids
-        out = trainer.policy.backend.forward(make_batch([("r", "policy", [{"input_ids": full[:-1], "targets": full[1:]}],
-                                                          "cross_entropy", None)], all_temperatures=[0.7]))["r"]
-        want = out.loss_fn_outputs[0]["logprobs"].to_numpy()[len(tr.prompt_ids) - 1:]
+        want = o["logprobs"].to_numpy()[len(tr.prompt_ids) - 1:]
         np.testing.assert_allclose(old[i, :len(want)], want, atol=1e-5)
     assert np.abs(old[:4] - sampler[:4]).max() > 0.01  # tempered, not the sampler's
     trainer.batches_used = 0
