@@ -1,12 +1,16 @@
 """Where a trainer's metrics go (tx.sft, tx.rl): one JSON line per record to a file (appended, flushed each
-record), to stdout when asked (the CLIs), and to a wandb run (numbers only, at the record's "step")."""
+record), to stdout when asked (the CLIs), and to a wandb run (numbers only, at the record's "step"). Asked for wandb
+without the package installed, it warns once and logs to stdout instead: the run proceeds."""
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 class MetricsSink:
@@ -22,9 +26,11 @@ class MetricsSink:
             try:
                 import wandb
             except ImportError:
-                raise ValueError(f"wandb logging (project {wandb_init.get('project')!r}) is set but the wandb "
-                                 "package is not installed") from None
-            self._wandb = wandb.init(**wandb_init)
+                logger.warning("wandb logging (project %r) is set but the wandb package is not installed: logging "
+                               "metrics to the console (stdout) instead", wandb_init.get("project"))
+                self.stdout = True
+            else:
+                self._wandb = wandb.init(**wandb_init)
 
     def log(self, record: dict[str, Any]) -> None:
         line = json.dumps(record)

@@ -244,7 +244,7 @@ def ref_kl(kind, lp, ref):
         elif kind == "k2":
             out.flat[i], grad.flat[i] = 0.5 * (x - y) ** 2, x - y
         elif kind == "abs":
-            out.flat[i], grad.flat[i] = abs(x - y), 1.0 if x > y else -1.0
+            out.flat[i], grad.flat[i] = abs(x - y), float(x > y) - float(x < y)  # torch's subgradient: 0 at x == y
         else:  # k3 = exp(d) - d - 1, d = ref - lp, with clamps |d| <= 20 and value <= 10
             d = y - x
             if d > 20 or d < -20:
@@ -298,7 +298,7 @@ SEED_DEFAULTS = {
     "regular": {"eps_clip_low": 0.2, "eps_clip_high": 0.2},
     "dual_clip": {"eps_clip_low": 0.2, "eps_clip_high": 0.2, "clip_ratio_c": 3.0},
     "gspo": {"eps_clip_low": 0.2, "eps_clip_high": 0.2},
-    "cispo": {"cispo_eps_clip_low": 0.0, "cispo_eps_clip_high": 5.0},
+    "cispo": {"cispo_eps_clip_low": 0.0, "cispo_eps_clip_high": 5.0, "cispo_anchor": 0.0},
     "sapo": {"tau_pos": 1.0, "tau_neg": 1.05},
     "clip_cov": {"eps_clip_low": 0.2, "eps_clip_high": 0.2, "clip_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0},
     "kl_cov": {"kl_cov_frac": 0.2, "ppo_kl_coef": 1.0},
@@ -488,7 +488,8 @@ def test_cispo_gradient_is_stop_gradient_weight():
     with jax.enable_x64(True):
         inputs = {"old_logprobs": jnp.asarray(old), "advantages": jnp.asarray(adv), "mask": jnp.ones(4),
                   "selected": jnp.zeros(4)}
-        params = {"cispo_eps_clip_low": jnp.asarray(0.2), "cispo_eps_clip_high": jnp.asarray(1.0)}
+        params = {"cispo_eps_clip_low": jnp.asarray(0.2), "cispo_eps_clip_high": jnp.asarray(1.0),
+                  "cispo_anchor": jnp.asarray(0.0)}
         grad = jax.grad(lambda x: alg.policy_loss("cispo").fn(x, inputs, params).sum())(jnp.asarray(lp))
     close(grad, -adv * np.array([0.8, 1.2, 2.0, 2.0]), rtol=1e-12, atol=0)
 

@@ -86,6 +86,7 @@ def test_objective_equals_numpy(tiny_dirs):
             extra["entropy_weights"].append((mask * 0.1).tolist())
             extra["rl_mask"].append(mask.tolist())
             extra["rl_selected"].append([0.0] * n)
+            extra["rl_rollout_logprobs"].append(datums[-1]["logprobs"])  # on-policy: the sampler's are the old ones
         spec = tx.rl.algorithms.policy_loss(policy)
         config = objective.objective_config(policy, kl, {k: v for k, v in params.items() if k in spec.params}, 0.3, 0.02)
         requests.append((f"r{r}", "p", datums, objective.OBJECTIVE, config))

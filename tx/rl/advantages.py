@@ -1,4 +1,4 @@
-"""Advantage estimators (a registry: grpo, rloo, reinforce++, gae), batch normalisation, the rollout filters
+"""Advantage estimators (a registry: grpo, rloo, maxrl, reinforce++, gae), batch normalisation, the rollout filters
 (zero variance, dynamic sampling) and the KL in the reward with its fixed / adaptive controller; host side
 (numpy, float64 inside, float32 out) over whole-batch `*_bt` / `*_b` arrays."""
 
@@ -26,7 +26,7 @@ from tx.rl.arrays import (
 @dataclass(frozen=True)
 class EstimatorParams:
     """Estimator settings from `trainer.algorithm`: `gamma`, `lambd`, `grpo_norm_by_std`; `epsilon` is
-    GRPO's std epsilon (a SkyRL function default, not a config field)."""
+    GRPO's std epsilon and MaxRL's mean epsilon (a SkyRL function default, not a config field)."""
 
     gamma: float = 1.0
     lambd: float = 1.0
@@ -119,6 +119,22 @@ def rloo(token_rewards_bt, response_mask_bt, group_b, values_bt, params):
         warnings.warn("rloo: a group with one sample has no leave-one-out baseline; its advantage is 0",
                       RuntimeWarning, stacklevel=2)
     adv_b = np.where(n_b > 1, (scores_b - mean_g[gid_b]) * n_b / np.maximum(n_b - 1.0, 1.0), 0.0)
+    adv_bt = f32(adv_b[:, None] * f64(response_mask_bt))
+    return adv_bt, adv_bt.copy()
+
+
+@register_advantage_estimator("maxrl")
+def maxrl(token_rewards_bt, response_mask_bt, group_b, values_bt, params):
+    """MaxRL (mean-normalised group-relative reward): score_b = sum_t r; in a group of n > 1,
+    adv = (score - mean_g) / (mean_g + epsilon); a singleton group uses mean 0 and no division (adv = score),
+    as SkyRL 0.4.0. A = adv_b * response_mask; returns = A."""
+    scores_b = f64(token_rewards_bt).sum(axis=1)
+    gid_b, n_groups = group_ids(group_b, scores_b.shape[0])
+    count_g = np.bincount(gid_b, minlength=n_groups).astype(np.float64)
+    mean_g = np.bincount(gid_b, weights=scores_b, minlength=n_groups) / np.maximum(count_g, 1.0)
+    single_b = count_g[gid_b] == 1
+    mean_b = np.where(single_b, 0.0, mean_g[gid_b])
+    adv_b = np.where(single_b, scores_b, (scores_b - mean_b) / np.where(single_b, 1.0, mean_b + params.epsilon))
     adv_bt = f32(adv_b[:, None] * f64(response_mask_bt))
     return adv_bt, adv_bt.copy()
 

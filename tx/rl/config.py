@@ -14,6 +14,7 @@ training `max_generate_length`. Batch sizes count prompts (`train_batch_size`, `
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -117,8 +118,23 @@ class KLCovConfig(_Seed):
 
 
 class CISPOConfig(_Seed):
+    """The seed's defaults (0, 5): the IS weight is clipped to [1, 6]. SkyRL 0.4.0 changed them to (1.0, 4.0), i.e.
+    [0, 5] (ScaleRL's bounds); set those to match it."""
+
     cispo_eps_clip_low: float = Field(0.0, ge=0)
     cispo_eps_clip_high: float = Field(5.0, ge=0)
+    cispo_anchor: Literal["old", "rollout"] = Field(
+        "old", description="SkyRL 0.4.0: the IS ratio's denominator, the old (pre-update) log-probs or the sampler's "
+        "('rollout': itself an off-policy correction, so off_policy_correction.tis_ratio_type must be None)")
+
+
+class DPPOConfig(_Seed):
+    """SkyRL 0.4.0's `dppo` policy loss: -ratio * A, the token dropped where the policy moved too far from the
+    sampler in the advantage's direction (total variation or binary KL of the token's probability)."""
+
+    dppo_type: Literal["binary_tv", "binary_kl"] = "binary_tv"
+    delta_low: float = Field(0.2, ge=0)
+    delta_high: float = Field(0.2, ge=0)
 
 
 class AlgorithmConfig(_Seed):
@@ -134,7 +150,14 @@ class AlgorithmConfig(_Seed):
     advantage_batch_normalize: bool = False
     value_head_prefix: str = "value_head"
     policy_loss_type: str = "regular"
-    loss_reduction: Literal["token_mean", "sequence_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    loss_reduction: Literal["token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean",
+                            "token_mean_legacy"] = "token_mean"
+    loss_reduction_placement: Literal["loss", "advantages"] = Field(
+        "loss", description="tx: where loss_reduction acts. 'loss' (the seed's, SkyRL 0.1): per-token weights on the "
+        "policy loss, from the mask after off-policy correction; 'advantages' (SkyRL >= 0.4, its PR #1296): each "
+        "mini-batch's advantages are scaled by the reduction's factor from the mask before the correction, and the "
+        "loss is a plain masked sum. Equal for losses linear in A, except where the correction drops tokens; "
+        "clip_cov / kl_cov select their tokens on the scaled advantages and kl_cov's penalty is then unreduced")
     grpo_norm_by_std: bool = True
     zero_variance_filter: bool = False
     lambd: float = 1.0
@@ -151,7 +174,30 @@ class AlgorithmConfig(_Seed):
     clip_cov: ClipCovConfig = ClipCovConfig()
     kl_cov: KLCovConfig = KLCovConfig()
     cispo: CISPOConfig = CISPOConfig()
+    dppo: DPPOConfig = DPPOConfig()
     max_seq_len: int | None = Field(None, ge=1)
+
+
+    def policy_loss_params(self) -> dict[str, float]:
+        """The parameters `policy_loss_type` reads, from their seed fields (`POLICY_LOSS_PARAM_FIELDS`), as floats
+        (choice fields as their index); a parameter without a config field keeps the loss's default."""
+        from tx.rl import algorithms
+
+        spec = algorithms.policy_loss(self.policy_loss_type)
+        params = {}
+        for key in spec.params:
+            node: Any = self
+            for part in algorithms.POLICY_LOSS_PARAM_FIELDS.get(key, key).split("."):
+                node = getattr(node, part, None)
+            params[key] = algorithms.policy_loss_param_value(key, node) if node is not None else spec.params[key]
+        return params
+
+    def correction(self) -> OffPolicyCorrection:
+        """`off_policy_correction`, with the seed's deprecated `use_tis` / `tis_imp_ratio_cap` as token TIS."""
+        c = self.off_policy_correction
+        if self.use_tis and c.tis_ratio_type is None:
+            return replace(c, tis_ratio_type="token", token_tis_ratio_clip_high=self.tis_imp_ratio_cap)
+        return c
 
 
 class TrainerConfig(_Seed):
@@ -356,17 +402,12 @@ class RLConfig(_Seed):
         if a.policy_loss_type not in algorithms.policy_loss_names():
             raise ValueError(f"trainer.algorithm.policy_loss_type={a.policy_loss_type!r} is not registered "
                              f"({', '.join(algorithms.policy_loss_names())})")
+        algorithms.check_policy_loss_config(a.policy_loss_type, a.policy_loss_params(), a.correction().tis_ratio_type)
         if self.tx.base_url and a.temperature != 1.0:
             raise ValueError(f"trainer.algorithm.temperature={a.temperature} (default: the sampling temperature): "
                              "Tinker's forward_backward has no temperature; set 1.0 to train through tx.base_url")
         if g.sampling_params.logprobs == 0:
             raise ValueError("generator.sampling_params.logprobs=0: tx.rl trains on the sampler's log-probs (1)")
-        if t.logger == "wandb":
-            try:
-                import wandb  # noqa: F401
-            except ImportError:
-                raise ValueError("trainer.logger='wandb' needs the wandb package; install it or set "
-                                 "trainer.logger=console") from None
 
 
 _MISSING = object()

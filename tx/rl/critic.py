@@ -1,7 +1,7 @@
 """`gae`'s critic in tx: per run, a LoRA adapter with a scalar value head on the policy's base model (model id
 `<run>-critic`), living in the same backend (or server) as the policy. Its values before the update feed GAE;
-then it trains on the value loss (`tx.rl.value`: PPO's clipped value loss against the GAE returns, masked token
-mean over each mini-batch), with its own optimizer (`trainer.critic.optimizer_config`) and mini-batches of
+then it trains on the value loss (`tx.rl.value`: PPO's clipped value loss against the GAE returns; SkyRL's
+reduction: each sequence's masked mean, then the mean over the mini-batch's sequences), with its own optimizer (`trainer.critic.optimizer_config`) and mini-batches of
 `trainer.critic_mini_batch_size` prompts. Its cost: one LoRA adapter and a [hidden] vector, and one more forward
 over the batch (the old values) plus its own training passes.
 """
@@ -29,9 +29,10 @@ def old_values(policy, by_critic: dict[str, list[Trajectory]]) -> dict[str, np.n
 
 def value_datums(trajectories: list[Trajectory], idx: np.ndarray, prep: dict, value_clip: float
                  ) -> tuple[list[dict], str, dict]:
-    """One critic mini-batch: rows `idx`, weights = the masked token mean over the mini-batch."""
+    """One critic mini-batch: rows `idx`, weights = SkyRL's `masked_mean(loss, mask, dim=-1).mean()` over the
+    mini-batch (a per-sequence mean, then the batch mean; fully masked rows count in the batch mean as 0)."""
     m = prep["mask"][idx]
-    weights = algorithms.reduction_weights("token_mean", m)
+    weights = algorithms.sequence_mean_weights(m)
     datums = []
     for j, i in enumerate(idx):
         tr = trajectories[i]

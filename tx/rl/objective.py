@@ -2,15 +2,17 @@
 
 Per token: `weights * policy_loss + kl_loss_coef * kl_weights * kl(logprobs, ref_logprobs)
 - entropy_loss_coef * entropy_weights * entropy`, where `weights` carry the `loss_reduction` over the mini-batch
-and the TIS factors, `kl_weights` the KL term's sequence mean (SkyRL's) and `entropy_weights` the entropy's
-masked token mean. The policy loss and the KL estimator are chosen per datum by `loss_fn_config` numbers
+and the TIS factors (with `algorithm.loss_reduction_placement: advantages` the reduction is in the advantages and
+`weights` are the corrected mask times TIS), `kl_weights` the KL term's sequence mean (SkyRL's) and `entropy_weights` the entropy's
+masked token mean; the policy loss reads the old log-probs (`logprobs`) and the sampler's (`rl_rollout_logprobs`:
+rollout_is, dppo and cispo anchored at the rollout read them). The policy loss and the KL estimator are chosen per datum by `loss_fn_config` numbers
 (`policy_loss` = `policy_loss_id(name)`, `kl_estimator` = its index in `KL_ORDER`), so one registered loss serves
 every run of a job, in-process and on a server started with `python -m tx.run --import tx.rl` (plus the modules
 that register your own policy losses: the server must hold the same ones). A number that names no registered
 policy loss fails that request alone, naming it.
 
 The critic of `gae` runs trains with "tx.rl.value": `weights * value_loss(V, old_values, returns, value_clip)`,
-V from its adapter's value head (`needs_values`), `weights` the masked token mean over the mini-batch.
+V from its adapter's value head (`needs_values`), `weights` SkyRL's per-sequence masked mean then batch mean.
 
 One loss instead of one per (policy loss, KL estimator): the backend evaluates every registered loss on every
 row, so the pairs would multiply that cost and the number of compiled programs.
@@ -29,7 +31,7 @@ from tx.rl import algorithms
 OBJECTIVE = "tx.rl"
 VALUE_OBJECTIVE = "tx.rl.value"
 VALUE_INPUTS = ("returns", "old_values")
-EXTRA_INPUTS = ("ref_logprobs", "kl_weights", "entropy_weights", "rl_mask", "rl_selected")
+EXTRA_INPUTS = ("ref_logprobs", "kl_weights", "entropy_weights", "rl_mask", "rl_selected", "rl_rollout_logprobs")
 KL_ORDER = tuple(sorted(algorithms.KL_ESTIMATORS))
 _SELECTORS = ("policy_loss", "kl_estimator", "kl_loss_coef", "entropy_loss_coef")
 
@@ -62,23 +64,31 @@ def _check(config: Mapping[str, float]) -> None:
 
 
 def _objective(tlp, inputs, config):
-    mask = inputs["rl_mask"]
+    mask, weights, kl_weights = inputs["rl_mask"], inputs["weights"], inputs["kl_weights"]
+    # Positions outside a term (weight 0) are masked before the multiply, as SkyRL does: a non-finite input there
+    # (a reference log-prob of a padded or masked token, say) must not become 0 * NaN = NaN in the loss or its
+    # gradient. The policy losses also read the loss mask (gspo's sequence ratio), so inputs stay where it is on.
+    policy_on = (weights != 0) | (mask > 0)
     per_token = jnp.zeros_like(tlp)
     for name in algorithms.policy_loss_names():
         spec = algorithms.policy_loss(name)
         on = config["policy_loss"] == policy_loss_id(name)
         # a loss this datum does not use sees zeros (finite everywhere), so it cannot put inf / NaN in the gradient
-        keep = lambda x, on=on: jnp.where(on, x, 0.0)  # noqa: E731
-        value = spec.fn(keep(tlp), {"old_logprobs": keep(inputs["logprobs"]), "advantages": keep(inputs["advantages"]),
-                                    "mask": keep(mask), "selected": keep(inputs["rl_selected"])},
+        keep = lambda x, on=on: jnp.where(on & policy_on, x, 0.0)  # noqa: E731
+        value = spec.fn(keep(tlp), {"old_logprobs": keep(inputs["logprobs"]),
+                                    "rollout_logprobs": keep(inputs["rl_rollout_logprobs"]),
+                                    "advantages": keep(inputs["advantages"]), "mask": keep(mask),
+                                    "selected": keep(inputs["rl_selected"])},
                         {k: config[k] for k in spec.params})
         per_token = jnp.where(on, value, per_token)
     kl = jnp.zeros_like(tlp)
+    kl_on = kl_weights != 0
     for i, kind in enumerate(KL_ORDER):
-        on = config["kl_estimator"] == i
-        kl = jnp.where(on, algorithms.kl_estimate(kind, jnp.where(on, tlp, 0.0), jnp.where(on, inputs["ref_logprobs"], 0.0)),
-                       kl)
-    return (inputs["weights"] * per_token + config["kl_loss_coef"] * inputs["kl_weights"] * kl
+        on = (config["kl_estimator"] == i) & kl_on
+        value = algorithms.kl_estimate(kind, jnp.where(on, tlp, 0.0), jnp.where(on, inputs["ref_logprobs"], 0.0))
+        kl = jnp.where(on, value, kl)
+    return (jnp.where(weights != 0, weights * per_token, 0.0)
+            + config["kl_loss_coef"] * jnp.where(kl_on, kl_weights * kl, 0.0)
             - config["entropy_loss_coef"] * inputs["entropy_weights"] * inputs["entropy"])
 
 

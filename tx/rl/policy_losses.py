@@ -1,6 +1,7 @@
 """Device-side per-token terms (JAX, one datum at a time, so they vmap like `tx.losses` losses): the KL
-estimators, the policy losses (a registry: regular, dual_clip, gspo, cispo, sapo, clip_cov, kl_cov) and the
-critic's value loss; and their host-side companions (cov token selection, clip fractions)."""
+estimators, the policy losses (a registry: regular, dual_clip, gspo, cispo, sapo, clip_cov, kl_cov, rollout_is,
+dppo) and the critic's value loss; and their host-side companions (cov token selection, clip fractions, cispo
+ratio metrics)."""
 
 from __future__ import annotations
 
@@ -31,14 +32,16 @@ def _kl_k3(lp, ref):
 
 
 def _kl_abs(lp, ref):
-    return jnp.abs(lp - ref)
+    d = lp - ref
+    return d * jnp.sign(d)  # |d| with torch's subgradient 0 at d = 0 (jnp.abs has 1 there)
 
 
 KL_ESTIMATORS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
     "k1": _kl_k1, "k2": _kl_k2, "k3": _kl_k3, "abs": _kl_abs,
 }
 """`kl_estimator_type` -> fn(logprobs, ref_logprobs), elementwise. k1 = lp - ref; k2 = (lp - ref)^2 / 2;
-k3 = clip(exp(d) - d - 1, -10, 10) with d = clip(ref - lp, -20, 20) (SkyRL's clamps); abs = |lp - ref|."""
+k3 = clip(exp(d) - d - 1, -10, 10) with d = clip(ref - lp, -20, 20) (SkyRL's clamps); abs = |lp - ref| (gradient
+sign(lp - ref), 0 at lp = ref, as torch's abs)."""
 
 
 def kl_estimate(kind: str, logprobs, ref_logprobs) -> jax.Array:
@@ -53,18 +56,56 @@ def kl_estimate(kind: str, logprobs, ref_logprobs) -> jax.Array:
 # policy losses (spec 2.3), JAX, one datum at a time
 
 PolicyLossFn = Callable[[jax.Array, Mapping[str, jax.Array], Mapping[str, jax.Array]], jax.Array]
-"""fn(logprobs_t, inputs {"old_logprobs", "advantages", "mask", "selected"} each [t], params) -> loss [t]"""
+"""fn(logprobs_t, inputs {"old_logprobs", "rollout_logprobs", "advantages", "mask", "selected"} each [t], params)
+-> loss [t]"""
 
-POLICY_LOSS_INPUT_KEYS = ("old_logprobs", "advantages", "mask", "selected")
+POLICY_LOSS_INPUT_KEYS = ("old_logprobs", "rollout_logprobs", "advantages", "mask", "selected")
+"""old_logprobs: the pre-update policy's log-probs (recomputed by the trainer, or the sampler's when those are the
+update's); rollout_logprobs: the sampler's (behaviour policy's) log-probs, read by rollout_is, dppo and cispo with
+cispo_anchor = "rollout". A caller without separate sampler log-probs passes old_logprobs there (or leaves the key
+out: `rollout_logprobs(inputs)` then reads old_logprobs, the on-policy case)."""
 
-# where each built-in loss parameter lives in the seed config (under trainer.algorithm)
+# where each built-in loss parameter lives in the seed config (under trainer.algorithm), SkyRL's field names
 POLICY_LOSS_PARAM_FIELDS: dict[str, str] = {
     "eps_clip_low": "eps_clip_low", "eps_clip_high": "eps_clip_high", "clip_ratio_c": "clip_ratio_c",
     "cispo_eps_clip_low": "cispo.cispo_eps_clip_low", "cispo_eps_clip_high": "cispo.cispo_eps_clip_high",
+    "cispo_anchor": "cispo.cispo_anchor",
     "tau_pos": "sapo.tau_pos", "tau_neg": "sapo.tau_neg",
     "clip_ratio": "clip_cov.clip_ratio", "clip_cov_lb": "clip_cov.clip_cov_lb", "clip_cov_ub": "clip_cov.clip_cov_ub",
     "kl_cov_frac": "kl_cov.kl_cov_frac", "ppo_kl_coef": "kl_cov.ppo_kl_coef",
+    "dppo_type": "dppo.dppo_type", "delta_low": "dppo.delta_low", "delta_high": "dppo.delta_high",
 }
+
+# string-valued config fields, carried as the float index of the value in this tuple (params are floats)
+POLICY_LOSS_PARAM_CHOICES: dict[str, tuple[str, ...]] = {
+    "cispo_anchor": ("old", "rollout"),
+    "dppo_type": ("binary_tv", "binary_kl"),
+}
+
+# SkyRL's LOSSES_WITHOUT_OLD_LOGPROBS: these read the sampler's log-probs (old ones only for off-policy correction)
+POLICY_LOSSES_WITHOUT_OLD_LOGPROBS = frozenset({"rollout_is", "dppo"})
+
+
+def policy_loss_param_value(key: str, value) -> float:
+    """A config value as the float a loss reads: a choice field's string (or its index) -> its index in
+    POLICY_LOSS_PARAM_CHOICES[key]; any other value -> float(value). An unknown choice raises, naming the field."""
+    choices = POLICY_LOSS_PARAM_CHOICES.get(key)
+    if choices is None:
+        return float(value)
+    if isinstance(value, str):
+        if value not in choices:
+            raise ValueError(f"{POLICY_LOSS_PARAM_FIELDS.get(key, key)} must be one of {', '.join(choices)}, "
+                             f"got {value!r}")
+        return float(choices.index(value))
+    if float(value) not in range(len(choices)):
+        raise ValueError(f"{POLICY_LOSS_PARAM_FIELDS.get(key, key)} must be one of {', '.join(choices)} "
+                         f"(or its index), got {value!r}")
+    return float(value)
+
+
+def rollout_logprobs(inputs: Mapping[str, jax.Array]) -> jax.Array:
+    """inputs["rollout_logprobs"], or inputs["old_logprobs"] where the caller has no separate sampler log-probs."""
+    return inputs["rollout_logprobs"] if "rollout_logprobs" in inputs else inputs["old_logprobs"]
 
 
 @dataclass(frozen=True)
@@ -157,11 +198,17 @@ def gspo(logprobs_t, inputs, params):
     return _ppo_clipped(jnp.exp(log_ratio), inputs["advantages"], params)
 
 
-@register_policy_loss("cispo", params={"cispo_eps_clip_low": 0.0, "cispo_eps_clip_high": 5.0})
+def _cispo_behaviour(inputs, params):
+    """cispo_anchor 0 ("old"): old_logprobs; 1 ("rollout"): the sampler's log-probs."""
+    return jnp.where(params["cispo_anchor"] == 1, rollout_logprobs(inputs), inputs["old_logprobs"])
+
+
+@register_policy_loss("cispo", params={"cispo_eps_clip_low": 0.0, "cispo_eps_clip_high": 5.0, "cispo_anchor": 0.0})
 def cispo(logprobs_t, inputs, params):
-    """CISPO: w = clip(safe_exp(lp - old), 1-cispo_eps_clip_low, 1+cispo_eps_clip_high);
-    L = -A * sg(w) * lp (gradient -A*w through log pi only)."""
-    ratio = _jsafe_exp(logprobs_t - inputs["old_logprobs"])
+    """CISPO: w = clip(safe_exp(lp - behaviour), 1-cispo_eps_clip_low, 1+cispo_eps_clip_high);
+    L = -A * sg(w) * lp (gradient -A*w through log pi only). behaviour = old_logprobs (cispo_anchor "old" = 0) or
+    rollout_logprobs ("rollout" = 1; then TIS must be off, see `check_policy_loss_config`)."""
+    ratio = _jsafe_exp(logprobs_t - _cispo_behaviour(inputs, params))
     w = jnp.clip(ratio, 1.0 - params["cispo_eps_clip_low"], 1.0 + params["cispo_eps_clip_high"])
     return -inputs["advantages"] * jax.lax.stop_gradient(w) * logprobs_t
 
@@ -193,7 +240,42 @@ def kl_cov(logprobs_t, inputs, params):
     top-covariance tokens from `select_cov_tokens`). No PPO clip."""
     delta = logprobs_t - inputs["old_logprobs"]
     loss = -inputs["advantages"] * jnp.exp(delta)
-    return jnp.where(inputs["selected"] > 0, loss + params["ppo_kl_coef"] * jnp.abs(delta), loss)
+    # |delta| with subgradient 0 at delta = 0 (torch's abs), where every token starts (lp = old)
+    return jnp.where(inputs["selected"] > 0, loss + params["ppo_kl_coef"] * delta * jnp.sign(delta), loss)
+
+
+@register_policy_loss("rollout_is", params=_EPS)
+def rollout_is(logprobs_t, inputs, params):
+    """Rollout IS (GLM-5, IcePop-style): r = safe_exp(lp - rollout); f = r if 1-eps_clip_low < r < 1+eps_clip_high
+    (strict) else 0; L = -sg(f) * A * lp (gradient -f*A)."""
+    ratio = _jsafe_exp(logprobs_t - rollout_logprobs(inputs))
+    in_range = (ratio > 1.0 - params["eps_clip_low"]) & (ratio < 1.0 + params["eps_clip_high"])
+    return -jax.lax.stop_gradient(jnp.where(in_range, ratio, 0.0)) * inputs["advantages"] * logprobs_t
+
+
+def _dppo_keep(lp, behaviour_t, adv, params, xp=jnp):
+    """DPPO's 0/1 mask (no gradient), p = exp(lp), mu = exp(behaviour), diff = p - mu:
+    binary_tv (dppo_type 0): 0 where (A > 0 and diff > delta_high) or (A < 0 and -diff > delta_low);
+    binary_kl (1): kl = mu*(log mu - lp) + (1-mu)*log((1-mu+1e-8)/(1-p+1e-8)); 0 where (A > 0, diff > 0,
+    kl > delta_high) or (A < 0, diff < 0, kl > delta_low)."""
+    p, mu = xp.exp(lp), xp.exp(behaviour_t)
+    diff = p - mu
+    tv_cut = ((adv > 0) & (diff > params["delta_high"])) | ((adv < 0) & (-diff > params["delta_low"]))
+    with np.errstate(invalid="ignore", divide="ignore"):  # a log-prob > 0 (padding) only fails the comparisons
+        kl = mu * (behaviour_t - lp) + (1.0 - mu) * xp.log((1.0 - mu + 1e-8) / (1.0 - p + 1e-8))
+    kl_cut = (((adv > 0) & (diff > 0) & (kl > params["delta_high"]))
+              | ((adv < 0) & (diff < 0) & (kl > params["delta_low"])))
+    return xp.where(xp.where(params["dppo_type"] == 1, kl_cut, tv_cut), 0.0, 1.0)
+
+
+@register_policy_loss("dppo", params={"dppo_type": 0.0, "delta_low": 0.2, "delta_high": 0.2})
+def dppo(logprobs_t, inputs, params):
+    """DPPO (binary divergence mask): behaviour = rollout_logprobs; r = safe_exp(lp - behaviour);
+    L = -r * A * keep, keep from `_dppo_keep` (dppo_type 0 = "binary_tv", 1 = "binary_kl")."""
+    behaviour = rollout_logprobs(inputs)
+    adv = inputs["advantages"]
+    ratio = _jsafe_exp(logprobs_t - behaviour)
+    return -ratio * adv * _dppo_keep(jax.lax.stop_gradient(logprobs_t), behaviour, adv, params)
 
 
 def select_cov_tokens(kind: Literal["clip_cov", "kl_cov"], logprobs_bt, advantages_bt, mask_bt,
@@ -243,17 +325,28 @@ def select_cov_tokens(kind: Literal["clip_cov", "kl_cov"], logprobs_bt, advantag
     return selected
 
 
-def clip_fraction(name: str, logprobs_bt, old_logprobs_bt, advantages_bt, mask_bt,
-                  params: Mapping[str, float] | None = None, *, selected_bt=None) -> float:
-    """The `clip_ratio` metric of loss `name` over valid tokens (masked mean):
-    regular / dual_clip / gspo: PPO clip active (-clip(r)A > -rA; gspo with its sequence ratio);
-    cispo: ratio outside [1-cispo_eps_clip_low, 1+cispo_eps_clip_high]; clip_cov: fraction of `selected_bt`
-    (0 when not given); every other loss: 0."""
-    p = policy_loss(name).resolve(params)
+def _host_ratio_inputs(name, p, logprobs_bt, old_logprobs_bt, mask_bt, rollout_logprobs_bt):
+    """float64 (lp, old, behaviour, mask) of loss `name`: behaviour = the sampler's log-probs for rollout_is, dppo
+    and cispo with cispo_anchor "rollout" (old_logprobs_bt when rollout_logprobs_bt is None), else old."""
     lp = check_bt("logprobs_bt", f64(logprobs_bt))
     old = check_bt("old_logprobs_bt", f64(old_logprobs_bt), lp.shape)
-    adv = check_bt("advantages_bt", f64(advantages_bt), lp.shape)
     m = check_bt("mask_bt", f64(mask_bt), lp.shape)
+    roll = old if rollout_logprobs_bt is None else check_bt("rollout_logprobs_bt", f64(rollout_logprobs_bt), lp.shape)
+    rollout_anchored = name in POLICY_LOSSES_WITHOUT_OLD_LOGPROBS or (name == "cispo" and p["cispo_anchor"] == 1)
+    return lp, old, roll if rollout_anchored else old, m
+
+
+def clip_fraction(name: str, logprobs_bt, old_logprobs_bt, advantages_bt, mask_bt,
+                  params: Mapping[str, float] | None = None, *, selected_bt=None, rollout_logprobs_bt=None) -> float:
+    """The `clip_ratio` metric of loss `name` over valid tokens (masked mean):
+    regular / dual_clip / gspo: PPO clip active (-clip(r)A > -rA; gspo with its sequence ratio);
+    cispo: ratio (to its anchor) outside [1-cispo_eps_clip_low, 1+cispo_eps_clip_high]; rollout_is: ratio to the
+    sampler not strictly inside (1-eps_clip_low, 1+eps_clip_high); dppo: tokens its divergence mask drops;
+    clip_cov: fraction of `selected_bt` (0 when not given); every other loss: 0. `rollout_logprobs_bt`: the
+    sampler's log-probs (None: they are the old ones)."""
+    p = policy_loss(name).resolve(params)
+    lp, old, behaviour, m = _host_ratio_inputs(name, p, logprobs_bt, old_logprobs_bt, mask_bt, rollout_logprobs_bt)
+    adv = check_bt("advantages_bt", f64(advantages_bt), lp.shape)
     if name in ("regular", "dual_clip", "gspo"):
         if name == "gspo":
             seq_b = masked_mean(np.where(m > 0, lp - old, 0.0), m, axis=1)
@@ -263,12 +356,45 @@ def clip_fraction(name: str, logprobs_bt, old_logprobs_bt, advantages_bt, mask_b
         bounded = np.clip(ratio, 1.0 - p["eps_clip_low"], 1.0 + p["eps_clip_high"])
         return float(masked_mean((-bounded * adv > -ratio * adv).astype(np.float64), m))
     if name == "cispo":
-        ratio = safe_exp(lp - old)
-        out = (ratio < 1.0 - p["cispo_eps_clip_low"]) | (ratio > 1.0 + p["cispo_eps_clip_high"])
-        return float(masked_mean(out.astype(np.float64), m))
+        return cispo_metrics(lp, old, m, p, rollout_logprobs_bt=rollout_logprobs_bt)["clip_ratio"]
+    if name == "rollout_is":
+        ratio = safe_exp(lp - behaviour)
+        inside = (ratio > 1.0 - p["eps_clip_low"]) & (ratio < 1.0 + p["eps_clip_high"])
+        return float(masked_mean((~inside).astype(np.float64), m))
+    if name == "dppo":
+        keep = _dppo_keep(lp, behaviour, adv, p, xp=np)
+        return float(masked_mean((keep == 0).astype(np.float64), m))
     if name == "clip_cov" and selected_bt is not None:
         return float(masked_mean(f64(selected_bt), m))
     return 0.0
+
+
+def cispo_metrics(logprobs_bt, old_logprobs_bt, mask_bt, params: Mapping[str, float] | None = None, *,
+                  rollout_logprobs_bt=None) -> dict[str, float]:
+    """SkyRL's cispo loss metrics, r = safe_exp(lp - behaviour) (behaviour per cispo_anchor, as the loss),
+    c = clip(r, 1-cispo_eps_clip_low, 1+cispo_eps_clip_high): clip_ratio = masked mean of (r < 1-lo or r > 1+hi);
+    cispo/ratio_mean, cispo/ratio_clamped_mean = masked means of r, c; cispo/ratio_max, cispo/ratio_min over the
+    valid tokens (over every position when none is valid, 0 for an empty batch)."""
+    p = policy_loss("cispo").resolve(params)
+    _, _, behaviour, m = _host_ratio_inputs("cispo", p, logprobs_bt, old_logprobs_bt, mask_bt, rollout_logprobs_bt)
+    ratio = safe_exp(f64(logprobs_bt) - behaviour)
+    lo, hi = 1.0 - p["cispo_eps_clip_low"], 1.0 + p["cispo_eps_clip_high"]
+    active = ratio[m > 0] if (m > 0).any() else ratio.reshape(-1)
+    return {"clip_ratio": float(masked_mean(((ratio < lo) | (ratio > hi)).astype(np.float64), m)),
+            "cispo/ratio_mean": float(masked_mean(ratio, m)),
+            "cispo/ratio_clamped_mean": float(masked_mean(np.clip(ratio, lo, hi), m)),
+            "cispo/ratio_max": float(active.max()) if active.size else 0.0,
+            "cispo/ratio_min": float(active.min()) if active.size else 0.0}
+
+
+def check_policy_loss_config(name: str, params: Mapping[str, float] | None, tis_ratio_type: str | None) -> None:
+    """SkyRL's config checks of a policy loss: cispo with cispo_anchor "rollout" is itself the off-policy
+    correction, so off_policy_correction.tis_ratio_type must be None (TIS would double-count it)."""
+    p = policy_loss(name).resolve(params)
+    if name == "cispo" and p["cispo_anchor"] == 1 and tis_ratio_type is not None:
+        raise ValueError("trainer.algorithm.cispo.cispo_anchor='rollout' is already rollout-anchored and performs the "
+                         f"off-policy correction; off_policy_correction.tis_ratio_type={tis_ratio_type!r} would "
+                         "double-count it (set it to None)")
 
 
 def value_loss(values_t, old_values_t, returns_t, value_clip) -> jax.Array:

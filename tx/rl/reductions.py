@@ -1,5 +1,6 @@
-"""Loss reduction as per-token weights over a mini-batch (token_mean, sequence_mean, seq_mean_token_sum_norm),
-and the off-policy correction (token / sequence TIS caps and masks), host side."""
+"""Loss reduction over a mini-batch (token_mean, sequence_mean, seq_mean_token_sum_norm, prompt_mean,
+token_mean_legacy) as per-token weights on the loss or folded into the advantages, and the off-policy correction
+(token / sequence TIS caps and masks), host side."""
 
 from __future__ import annotations
 
@@ -8,30 +9,84 @@ from typing import Literal
 
 import numpy as np
 
-from tx.rl.arrays import check_bt, f32, f64, safe_exp
+from tx.rl.arrays import check_bt, f32, f64, group_ids, safe_exp
 
 # ---------------------------------------------------------------------------------------------------
-# loss reduction (spec 2.5) as per-token weights
+# loss reduction (spec 2.5) as per-token weights, or (SkyRL >= 0.4) folded into the advantages
 
-LOSS_REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm")
+LOSS_REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean", "token_mean_legacy")
+REDUCTION_PLACEMENTS = ("loss", "advantages")
 
 
-def reduction_weights(kind: str, mask_bt, max_seq_len: int | None = None) -> np.ndarray:
-    """Per-token weights w with sum(L * w) = the `loss_reduction` of L over the given batch (the optimizer
-    mini-batch of Bm rows; pass every row of it, fully masked ones included):
-    token_mean: M / max(sum M, 1); sequence_mean: M / (Bm * max(sum_t M, 1));
-    seq_mean_token_sum_norm (Dr. GRPO): M / (Bm * max_seq_len)."""
+def reduction_scale(kind: str, mask_bt, max_seq_len: int | None = None, group_b=None,
+                    micro_batch_size: int | None = None) -> np.ndarray:
+    """Per-token factor s (float64 [b, t], not masked) with sum(L * M * s) = the `loss_reduction` of L over the
+    given batch (the optimizer mini-batch of Bm rows; pass every row of it, fully masked ones included):
+    token_mean: 1 / max(sum M, 1); sequence_mean: 1 / (Bm * max(sum_t M, 1));
+    seq_mean_token_sum_norm (Dr. GRPO): 1 / (Bm * max_seq_len);
+    prompt_mean: 1 / (P * max(sum of M over the rows of the prompt, 1)), P = number of distinct `group_b` ids
+    (prompts) in the batch, a prompt with no valid token counting too: the mean over prompts of each prompt's
+    token mean; token_mean_legacy: rows cut into consecutive micro-batches of `micro_batch_size` (the last may be
+    shorter), 1 / (n_micro * max(sum of M over the micro-batch, 1)): the mean over micro-batches of their token
+    means. (SkyRL 0.4.0 takes n_micro = Bm // micro_batch_size and gives the rows past n_micro * micro_batch_size
+    factor 0; tx counts the shorter last micro-batch as one more.)"""
     m = check_bt("mask_bt", f64(mask_bt))
     n_rows = max(m.shape[0], 1)
     if kind == "token_mean":
-        return f32(m / max(m.sum(), 1.0))
+        return np.full(m.shape, 1.0 / max(m.sum(), 1.0))
     if kind == "sequence_mean":
-        return f32(m / np.maximum(m.sum(axis=1, keepdims=True), 1.0) / n_rows)
+        return np.broadcast_to(1.0 / (n_rows * np.maximum(m.sum(axis=1, keepdims=True), 1.0)), m.shape).copy()
     if kind == "seq_mean_token_sum_norm":
         if max_seq_len is None or max_seq_len <= 0:
             raise ValueError(f"loss_reduction 'seq_mean_token_sum_norm' needs a positive max_seq_len, got {max_seq_len!r}")
-        return f32(m / (n_rows * float(max_seq_len)))
+        return np.full(m.shape, 1.0 / (n_rows * float(max_seq_len)))
+    if kind == "prompt_mean":
+        if group_b is None:
+            raise ValueError("loss_reduction 'prompt_mean' needs the prompt (group) id of every row: group_b is None")
+        gid_b, n_groups = group_ids(group_b, m.shape[0])
+        tokens_g = np.bincount(gid_b, weights=m.sum(axis=1), minlength=n_groups)
+        return np.broadcast_to((1.0 / (max(n_groups, 1) * np.maximum(tokens_g, 1.0)))[gid_b][:, None], m.shape).copy()
+    if kind == "token_mean_legacy":
+        if micro_batch_size is None or micro_batch_size <= 0:
+            raise ValueError(f"loss_reduction 'token_mean_legacy' needs a positive micro_batch_size "
+                             f"(trainer.micro_train_batch_size_per_gpu), got {micro_batch_size!r}")
+        chunk_b = np.arange(m.shape[0]) // micro_batch_size
+        n_micro = max(-(-m.shape[0] // micro_batch_size), 1)
+        tokens_c = np.bincount(chunk_b, weights=m.sum(axis=1), minlength=n_micro)
+        return np.broadcast_to((1.0 / (n_micro * np.maximum(tokens_c, 1.0)))[chunk_b][:, None], m.shape).copy()
     raise ValueError(f"unknown loss_reduction {kind!r}; expected one of {', '.join(LOSS_REDUCTIONS)}")
+
+
+def reduction_weights(kind: str, mask_bt, max_seq_len: int | None = None, group_b=None,
+                      micro_batch_size: int | None = None) -> np.ndarray:
+    """Per-token weights w = M * `reduction_scale(...)` (float32), so sum(L * w) = the `loss_reduction` of L:
+    the reduction placed on the loss (tx's placement "loss")."""
+    m = check_bt("mask_bt", f64(mask_bt))
+    return f32(m * reduction_scale(kind, m, max_seq_len, group_b, micro_batch_size))
+
+
+def reduction_in_advantages(kind: str, advantages_bt, mask_bt, max_seq_len: int | None = None, group_b=None,
+                            micro_batch_size: int | None = None) -> np.ndarray:
+    """SkyRL 0.4.0's placement "advantages" (apply_loss_reduction_to_advantages_minibatch): A' = A * s with
+    s = `reduction_scale(...)`, over one optimizer mini-batch; the policy loss is then the plain masked sum
+    sum(L(A') * M) (per-token weights M, times the TIS factor). Equal to placement "loss" for a loss positively
+    homogeneous in A (L(sA) = s L(A), s > 0), which every built-in loss but clip_cov and kl_cov is."""
+    a = check_bt("advantages_bt", f64(advantages_bt))
+    m = check_bt("mask_bt", f64(mask_bt), a.shape)
+    return f32(a * reduction_scale(kind, m, max_seq_len, group_b, micro_batch_size))
+
+
+def place_reduction(placement: str, kind: str, advantages_bt, mask_bt, max_seq_len: int | None = None,
+                    group_b=None, micro_batch_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(advantages_bt, weights_bt), float32, for the policy-loss term sum(L(advantages) * weights):
+    "loss" (tx): (A, M * s); "advantages" (SkyRL 0.4.0): (A * s, M)."""
+    a = check_bt("advantages_bt", f64(advantages_bt))
+    m = check_bt("mask_bt", f64(mask_bt), a.shape)
+    if placement == "loss":
+        return f32(a), reduction_weights(kind, m, max_seq_len, group_b, micro_batch_size)
+    if placement == "advantages":
+        return reduction_in_advantages(kind, a, m, max_seq_len, group_b, micro_batch_size), f32(m)
+    raise ValueError(f"unknown loss-reduction placement {placement!r}; expected one of {', '.join(REDUCTION_PLACEMENTS)}")
 
 
 def sequence_mean_weights(mask_bt) -> np.ndarray:
@@ -97,7 +152,8 @@ def apply_off_policy_correction(cfg: OffPolicyCorrection, old_logprobs_bt, rollo
     4. sequence mask: geometric g = safe_exp(sum_t d*M / max(sum_t M, 1)) kept iff geo_mask_low <= g <=
        geo_mask_high; product p = safe_exp(sum_t d*M) kept iff product_mask_low <= p <= product_mask_high.
     Nothing enabled: (ones, mask unchanged, {}). Metrics: is_ratio_{mean,std,max,min} over the valid tokens
-    of the input mask; row fractions for the row masks; fractions of valid tokens for token-level ones."""
+    of the input mask; row fractions for the row masks; fractions of valid tokens for token-level ones (the token
+    mask's as SkyRL 0.4.0's `token_mask_ratio` and, same value, tx's `token_mask_masked_ratio`)."""
     m = check_bt("mask_bt", f64(mask_bt))
     if not cfg.enabled:
         return np.ones(m.shape, np.float32), f32(m), {}
@@ -129,7 +185,8 @@ def apply_off_policy_correction(cfg: OffPolicyCorrection, old_logprobs_bt, rollo
         under = (rho < cfg.token_mask_is_threshold_low) & valid
         over = (rho > cfg.token_mask_is_threshold_high) & valid
         m = m * ~(under | over)
-        metrics.update(token_mask_masked_ratio=(under | over).sum() / n_valid,
+        metrics.update(token_mask_ratio=(under | over).sum() / n_valid,  # SkyRL 0.4.0's name
+                       token_mask_masked_ratio=(under | over).sum() / n_valid,
                        token_mask_under_low_ratio=under.sum() / n_valid, token_mask_over_high_ratio=over.sum() / n_valid)
 
     seq_log_b = (d * m).sum(axis=1)

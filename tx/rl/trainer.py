@@ -22,6 +22,7 @@ process's backend or, with `tx.base_url`, on a `python -m tx.run` server driven 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 import time
@@ -43,6 +44,8 @@ from tx.rl.policy import LocalPolicy, RemotePolicy
 from tx.rl.rollout import ChatTokens, PromptRow, RolloutParams, Trajectory, rollout
 from tx.sft.data import load_rows
 from tx.sft.seed_config import OptimizerConfig, lora_targets
+
+logger = logging.getLogger(__name__)
 
 LATEST = "latest_ckpt_global_step.txt"
 
@@ -75,19 +78,9 @@ class Run:
     @classmethod
     def build(cls, name: str, cfg: RLConfig) -> Run:
         a = cfg.trainer.algorithm
-        spec = algorithms.policy_loss(a.policy_loss_type)
-        params = {}
-        for key in spec.params:
-            node: Any = a
-            for part in algorithms.POLICY_LOSS_PARAM_FIELDS.get(key, key).split("."):
-                node = getattr(node, part, None)
-            params[key] = float(node) if node is not None else spec.params[key]
-        correction = a.off_policy_correction
-        if a.use_tis and correction.tis_ratio_type is None:  # the seed's deprecated spelling
-            correction = replace(correction, tis_ratio_type="token", token_tis_ratio_clip_high=a.tis_imp_ratio_cap)
-        return cls(name, cfg, params,
+        return cls(name, cfg, a.policy_loss_params(),
                    algorithms.KLController(a.kl_ctrl.type, a.kl_loss_coef, a.kl_ctrl.kl_target, a.kl_ctrl.horizon),
-                   correction)
+                   a.correction())
 
 
 class RLTrainer:
@@ -135,8 +128,9 @@ class RLTrainer:
                         **lora_targets(lora.target_modules, lora.exclude_modules)))
         tokenizer = AutoTokenizer.from_pretrained(base, use_fast=not t.disable_fast_tokenizer)
         self.chat = ChatTokens(tokenizer, g.chat_template_kwargs)
-        self.train_rows = self._load(cfg.data.train_data)
-        self.val_rows = self._load(cfg.data.val_data) if t.eval_interval > 0 or t.eval_before_train else []
+        self.dropped_rows: dict[str, int] = {}  # per split: prompts over trainer.max_prompt_length
+        self.train_rows = self._load(cfg.data.train_data, "train")
+        self.val_rows = self._load(cfg.data.val_data, "val") if t.eval_interval > 0 or t.eval_before_train else []
         self.steps_per_epoch = len(self.train_rows) // t.train_batch_size
         if self.steps_per_epoch == 0:
             raise ValueError(f"data.train_data holds {len(self.train_rows)} usable prompts, fewer than "
@@ -167,10 +161,11 @@ class RLTrainer:
 
     # ---- data ----
 
-    def _load(self, sources: list[str]) -> list[PromptRow]:
-        """Rows of every source whose templated prompt fits `trainer.max_prompt_length` (others are dropped, as
-        SkyRL does)."""
+    def _load(self, sources: list[str], split: str = "train") -> list[PromptRow]:
+        """Rows of every source whose templated prompt fits `trainer.max_prompt_length`. Others are dropped, as
+        SkyRL does, with a warning; their count is the `data/dropped_rows` (`data/dropped_val_rows`) metric."""
         rows, dropped = [], 0
+        limit = self.cfg.trainer.max_prompt_length
         for source in sources:
             for row in load_rows(str(Path(source).expanduser()) if source.startswith("~") else source):
                 if "prompt" not in row:
@@ -178,11 +173,14 @@ class RLTrainer:
                                      f"{sorted(row)}")
                 extras = {k: v for k, v in row.items() if k not in ("prompt", "env_class")}
                 prompt = PromptRow(list(row["prompt"]), row.get("env_class") or self.cfg.environment.env_class, extras)
-                if len(self.chat.prompt(prompt.prompt)) > self.cfg.trainer.max_prompt_length:
+                if len(self.chat.prompt(prompt.prompt)) > limit:
                     dropped += 1
                     continue
                 rows.append(prompt)
-        self.dropped_rows = getattr(self, "dropped_rows", 0) + dropped
+        if dropped:
+            logger.warning("data.%s_data: %d of %d prompts are longer than trainer.max_prompt_length=%d tokens and "
+                           "were dropped", split, dropped, dropped + len(rows), limit)
+        self.dropped_rows[split] = dropped
         return rows
 
     def batch_rows(self, step: int) -> list[PromptRow]:
@@ -199,7 +197,9 @@ class RLTrainer:
         their mini-batches one forward_backward each. None when the data ran out (dynamic sampling)."""
         timing: dict[str, float] = {}
         start = time.perf_counter()
-        record: dict[str, Any] = {"step": self.global_step + 1}
+        record: dict[str, Any] = {"step": self.global_step + 1, "data/dropped_rows": self.dropped_rows["train"]}
+        if self.dropped_rows.get("val"):
+            record["data/dropped_val_rows"] = self.dropped_rows["val"]
         by_run = self._collect(record)
         if by_run is None:
             return None
@@ -207,8 +207,7 @@ class RLTrainer:
         phase = time.perf_counter()
         kl_runs = [r for r in self.runs if r.cfg.trainer.algorithm.use_kl_loss or r.cfg.trainer.algorithm.use_kl_in_reward]
         refs = self._reference_logprobs({r.name: by_run[r.name] for r in kl_runs}) if kl_runs else {}
-        olds = self._recomputed_logprobs({r.name: by_run[r.name] for r in self.runs
-                                          if r.cfg.trainer.algorithm.temperature != 1.0 or self.full})
+        olds = self._recomputed_logprobs({r.name: by_run[r.name] for r in self.runs if self._recomputes_old(r)})
         critics = {r.critic: by_run[r.name] for r in self.runs if r.critic}
         values = critic.old_values(self.policy, critics) if critics else {}
         timing["fwd_logprobs_values"] = time.perf_counter() - phase
@@ -300,10 +299,18 @@ class RLTrainer:
     def _run(self, name: str) -> Run:
         return next(r for r in self.runs if r.name == name)
 
+    def _recomputes_old(self, run: Run) -> bool:
+        """Whether `run`'s old log-probs come from a forward of its weights rather than from the sampler: at a
+        training temperature (the sampler's are untempered), in full training (bf16 weights: the decode loop and the
+        training pass round differently), and whenever the off-policy correction is on (its ratio old / rollout
+        is what it corrects; with old = rollout it would be 1 and never act)."""
+        return run.cfg.trainer.algorithm.temperature != 1.0 or self.full or run.correction.enabled
+
     def _prepare(self, run: Run, trajectories: list[Trajectory], ref: np.ndarray | None,
                  values: np.ndarray | None, old: np.ndarray | None = None) -> tuple[dict, dict]:
         """Rewards, filters, KL in reward, advantages (and returns, with a critic's `values`) and off-policy
-        correction of one run's batch. `old`: the old log-probs when they are not the sampler's (temperature)."""
+        correction of one run's batch. `old`: the recomputed old log-probs (`_recomputes_old`), else None: the
+        sampler's. The correction's ratio is exp(old - rollout), rollout = the sampler's log-probs."""
         g, a = run.cfg.generator, run.cfg.trainer.algorithm
         arrays = response_arrays(trajectories)
         metrics: dict[str, Any] = {}
@@ -318,8 +325,9 @@ class RLTrainer:
             arrays["mask"][~keep] = 0.0
             metrics["filtered_zero_variance_rows"] = int((~keep).sum())
         ref = np.zeros_like(arrays["logprobs"]) if ref is None else ref
+        rollout_lp = arrays["logprobs"]  # the sampler's log-probs of the tokens it chose
         if old is None:
-            old = arrays["logprobs"]  # the sampler's: forward's log-probs under the weights that sampled
+            old = rollout_lp  # forward's log-probs under the weights that sampled
         if a.use_kl_in_reward:
             kl_bt = np.asarray(algorithms.kl_estimate(a.kl_estimator_type, old, ref)) * arrays["mask"]
             arrays["rewards"], current = algorithms.apply_kl_in_reward(arrays["rewards"], kl_bt, arrays["mask"],
@@ -331,13 +339,14 @@ class RLTrainer:
             params=algorithms.EstimatorParams(gamma=a.gamma, lambd=a.lambd, grpo_norm_by_std=a.grpo_norm_by_std))
         if a.advantage_batch_normalize:
             advantages = algorithms.batch_normalize_advantages(advantages, arrays["mask"])
-        tis, mask, correction = algorithms.apply_off_policy_correction(run.correction, old, old, arrays["mask"])
+        tis, mask, correction = algorithms.apply_off_policy_correction(run.correction, old, rollout_lp, arrays["mask"])
         metrics |= {f"policy/{k}": v for k, v in correction.items()}
         metrics["loss/avg_raw_advantages"] = float((advantages * mask).sum() / max(mask.sum(), 1))
         if a.use_kl_loss or a.use_kl_in_reward:
             kl = np.asarray(algorithms.kl_estimate(a.kl_estimator_type, old, ref), np.float64)
             metrics["policy/policy_kl"] = float((kl * algorithms.sequence_mean_weights(mask)).sum())
-        prep = {"advantages": advantages, "old": old, "ref": ref, "mask": mask, "tis": tis}
+        prep = {"advantages": advantages, "old": old, "rollout": rollout_lp, "ref": ref, "mask": mask, "tis": tis,
+                "loss_mask": arrays["mask"], "group": group_b}
         if values is not None:
             prep |= {"values": values, "returns": returns}
             metrics |= {"critic/values_mean": float((values * mask).sum() / max(mask.sum(), 1)),
@@ -365,28 +374,47 @@ class RLTrainer:
 
     def _minibatch(self, run: Run, trajectories: list[Trajectory], prep: dict, idx: np.ndarray,
                    rng: np.random.Generator) -> tuple[list[dict], str, dict[str, float]]:
-        """One run's mini-batch as datums of its training loss; weights carry the reduction over the mini-batch."""
-        a = run.cfg.trainer.algorithm
-        m, old, adv = prep["mask"][idx], prep["old"], prep["advantages"]
-        weights = algorithms.reduction_weights(a.loss_reduction, m, a.max_seq_len) * prep["tis"][idx]
+        """One run's mini-batch as datums of its training loss: the `loss_reduction` over the mini-batch in the
+        weights (placement "loss") or the advantages ("advantages"), times the off-policy correction's TIS factors
+        on the corrected mask."""
+        a, t = run.cfg.trainer.algorithm, run.cfg.trainer
+        m, old = prep["mask"][idx], prep["old"]
+        adv = self._placed_advantages(run, prep, idx)
+        if a.loss_reduction_placement == "loss":
+            weights = algorithms.reduction_weights(a.loss_reduction, m, a.max_seq_len, prep["group"][idx],
+                                                   t.micro_train_batch_size_per_gpu)
+        else:
+            weights = m
+        weights = weights * prep["tis"][idx]
         kl_weights = algorithms.sequence_mean_weights(m) if a.use_kl_loss else np.zeros_like(m)
         entropy_weights = algorithms.reduction_weights("token_mean", m)  # SkyRL: the entropy's masked token mean
         selected = np.zeros_like(m)
         if a.policy_loss_type in ("clip_cov", "kl_cov"):
-            selected = algorithms.select_cov_tokens(a.policy_loss_type, old[idx], adv[idx], m, run.loss_params, rng)
+            selected = algorithms.select_cov_tokens(a.policy_loss_type, old[idx], adv, m, run.loss_params, rng)
         datums = []
         for j, i in enumerate(idx):
             tr = trajectories[i]
             datums.append(datum(tr) | {
                 "temperature": a.temperature, "weights": per_target(tr, weights[j]), "logprobs": per_target(tr, old[i]),
-                "advantages": per_target(tr, adv[i]),
+                "advantages": per_target(tr, adv[j]),
                 "extra": {"ref_logprobs": per_target(tr, prep["ref"][i]), "kl_weights": per_target(tr, kl_weights[j]),
                           "entropy_weights": per_target(tr, entropy_weights[j]), "rl_mask": per_target(tr, m[j]),
-                          "rl_selected": per_target(tr, selected[j])}})
+                          "rl_selected": per_target(tr, selected[j]),
+                          "rl_rollout_logprobs": per_target(tr, prep["rollout"][i])}})
         config = objective.objective_config(a.policy_loss_type, a.kl_estimator_type, run.loss_params,
                                             a.kl_loss_coef if a.use_kl_loss else 0.0,
                                             a.entropy_loss_coef if a.use_entropy_loss else 0.0)
         return datums, objective.OBJECTIVE, config
+
+    @staticmethod
+    def _placed_advantages(run: Run, prep: dict, idx: np.ndarray) -> np.ndarray:
+        """The mini-batch's advantages as the loss reads them: as computed (placement "loss"), or scaled by the
+        reduction's factor from the mask before off-policy correction (placement "advantages", SkyRL 0.4.0)."""
+        a, t = run.cfg.trainer.algorithm, run.cfg.trainer
+        if a.loss_reduction_placement == "loss":
+            return prep["advantages"][idx]
+        return algorithms.reduction_in_advantages(a.loss_reduction, prep["advantages"][idx], prep["loss_mask"][idx],
+                                                  a.max_seq_len, prep["group"][idx], t.micro_train_batch_size_per_gpu)
 
     def _update(self, by_run: dict[str, list[Trajectory]], prepared: dict[str, dict]) -> dict[str, dict[str, float]]:
         """`update_epochs_per_batch` passes of mini-batches; each mini-batch is one forward_backward holding every
@@ -412,16 +440,28 @@ class RLTrainer:
                     rows_tr = [trajectories[i] for i in idx]
                     current = from_targets(rows_tr, [o["logprobs"] for o in result.outputs], width)
                     entropy = from_targets(rows_tr, [o["entropy"] for o in result.outputs], width)
-                    a = run.cfg.trainer.algorithm
-                    clip = algorithms.clip_fraction(a.policy_loss_type, current, prep["old"][idx], prep["advantages"][idx],
-                                                    prep["mask"][idx], run.loss_params)
-                    for key, value in (("policy/policy_loss", result.loss_sum), ("policy/grad_norm", grad_norm),
-                                       ("policy/clip_ratio", clip), ("policy/policy_lr", lr),
-                                       ("policy/policy_entropy", float((entropy * prep["mask"][idx]).sum()
-                                                                       / max(prep["mask"][idx].sum(), 1)))):
+                    for key, value in self._loss_metrics(run, prep, idx, current, entropy).items():
                         sums[run.name].setdefault(key, []).append(value)
+                    sums[run.name].setdefault("policy/policy_loss", []).append(result.loss_sum)
+                    sums[run.name].setdefault("policy/grad_norm", []).append(grad_norm)
+                    sums[run.name].setdefault("policy/policy_lr", []).append(lr)
                 optimizer_step += 1
         return {name: {k: float(np.mean(v)) for k, v in s.items()} for name, s in sums.items()}
+
+    def _loss_metrics(self, run: Run, prep: dict, idx: np.ndarray, current: np.ndarray, entropy: np.ndarray
+                      ) -> dict[str, float]:
+        """A mini-batch's clip ratio (cispo: also SkyRL's `cispo/ratio_*`) and policy entropy, from the log-probs
+        and entropy its forward_backward returned."""
+        a = run.cfg.trainer.algorithm
+        m, old, rollout_lp = prep["mask"][idx], prep["old"][idx], prep["rollout"][idx]
+        out = {"policy/clip_ratio": algorithms.clip_fraction(
+            a.policy_loss_type, current, old, self._placed_advantages(run, prep, idx), m, run.loss_params,
+            rollout_logprobs_bt=rollout_lp)}
+        if a.policy_loss_type == "cispo":
+            cispo = algorithms.cispo_metrics(current, old, m, run.loss_params, rollout_logprobs_bt=rollout_lp)
+            out |= {f"policy/{k}": v for k, v in cispo.items() if k != "clip_ratio"}
+        out["policy/policy_entropy"] = float((entropy * m).sum() / max(m.sum(), 1))
+        return out
 
     def _adam_step(self, model_id: str, opt: OptimizerConfig, step: int, total: int) -> tuple[float, float]:
         """One AdamW step of `model_id` at the schedule's learning rate for optimizer step `step` of `total`:
