@@ -62,7 +62,7 @@ def test_unknown_architecture_and_bad_paths(dense_copy, tmp_path):
         load_model(dense_copy)
     model_type = cfg.pop("model_type")  # without one, the architecture alone picks the family
     (dense_copy / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="unsupported architecture 'LlamaForCausalLM'; supported: Qwen3ForCausalLM"):
+    with pytest.raises(ValueError, match="unknown architecture 'LlamaForCausalLM'; registered: Qwen3ForCausalLM"):
         load_model(dense_copy)
     with pytest.raises(FileNotFoundError, match="not a directory"):
         load_model(str(tmp_path / "nope"))
@@ -91,3 +91,38 @@ def test_bf16_checkpoint_loads_as_bf16(tmp_path):
     err = np.abs(got - want)[mask.astype(bool)]
     # bf16 activations carry ~3 significant digits through 2 layers; log-probs of ~-6 move by ~0.05
     assert err.max() < 0.15 and err.mean() < 0.05
+
+
+def _unused_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "were not used" in r.getMessage()]
+
+
+def test_unused_checkpoint_tensors_are_named_in_one_warning(dense_copy, caplog):
+    """Extra tensors (here 2 layers more than config.json has, 22 tensors) are listed once: the first 10
+    names and the count; a rotary inv_freq buffer is not listed."""
+    def add_layers(t):
+        for i in (2, 3):
+            for name in [k for k in list(t) if k.startswith("model.layers.0.")]:
+                t[name.replace("layers.0.", f"layers.{i}.")] = t[name]
+        t["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)
+
+    _rewrite(dense_copy, add_layers)
+    with caplog.at_level("WARNING"):
+        load_model(dense_copy)
+    (msg,) = _unused_warnings(caplog)
+    extra = sorted(f"model.layers.{i}.{n}" for i in (2, 3) for n in (
+        "input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+        "mlp.down_proj.weight", *(f"self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                     "q_norm", "k_norm"))))
+    assert msg == (f"Some weights of the model checkpoint at {dense_copy} were not used when loading "
+                   f"Qwen3ForCausalLM (22 tensors): {', '.join(extra[:10])}, ...")
+
+
+def test_no_unused_warning_for_a_clean_or_tied_checkpoint(tiny_dirs, tmp_path, caplog):
+    """A tied model's checkpoint may carry lm_head.weight (the embedding matrix again): not a warning."""
+    tied = shutil.copytree(tiny_dirs["dense_tied_mha"], tmp_path / "tied")
+    _rewrite(tied, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"]}))
+    with caplog.at_level("WARNING"):
+        load_model(tiny_dirs["moe"])
+        load_model(tied)
+    assert _unused_warnings(caplog) == []

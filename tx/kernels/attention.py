@@ -9,11 +9,18 @@ padding = -1 (`segment_ids_for_attention` builds it from an attention mask and p
 padding query sees only padding keys (itself at least), so every row has a key and nothing is NaN; its
 output is finite garbage that callers ignore. `impl` names a kernel in `SELF_ATTENTION_IMPLS`; "auto"
 picks one by platform (`AUTO_IMPL`).
+
+No silent fallbacks: "auto" quietly runs whatever fits, but an explicit `attention_impl='cudnn'` that cannot
+run logs once per reason (`tx.log.warn_once`) `attention_impl='cudnn' cannot run <reason>; running
+'blockwise' instead` -- off GPU, float32 inputs (at trace time), and batches with packed rows or padding
+that is not at the end of a row (decided per batch on device, reported by a host callback that is only
+compiled in until it has fired once) -- and refuses a head size cuDNN never takes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 
 import jax
@@ -21,6 +28,9 @@ import jax.numpy as jnp
 
 from tx.kernels.flash import blockwise_attention
 from tx.kernels.splash import splash_attention
+from tx.log import warn_once, warned
+
+logger = logging.getLogger(__name__)
 
 _MASKED = -1e30
 
@@ -71,33 +81,78 @@ def reference_self_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, scale: floa
     return attention(q_bthd, k_btkd, v_btkd, visibility_mask(segment_ids_bt), scale)
 
 
-def _cudnn_supports(q_bthd: jax.Array) -> bool:
-    on_gpu = jax.default_backend() in ("gpu", "cuda")
-    return on_gpu and q_bthd.dtype in (jnp.bfloat16, jnp.float16) and q_bthd.shape[-1] % 8 == 0 and q_bthd.shape[-1] <= 256
+def _on_gpu() -> bool:
+    return jax.default_backend() in ("gpu", "cuda")
 
 
-def cudnn_self_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, scale: float) -> jax.Array:
-    """cuDNN flash attention where the mask is causal + right padding (the public `jax.nn` API takes
-    sequence lengths, not segment ids); packed rows, other padding, or dtypes/head sizes cuDNN does not
-    take run the blockwise kernel instead (decided per call at run time for the mask)."""
-    if not _cudnn_supports(q_bthd):
-        return blockwise_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, scale)
+_CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+_CUDNN_PACKED = ("attention_impl", "cudnn", "packed")  # warn_once key of the per-batch fallback
+
+
+def _cudnn_fallback(reason_key: str, reason: str) -> None:
+    warn_once(("attention_impl", "cudnn", reason_key),
+              f"attention_impl='cudnn' cannot run {reason}; running 'blockwise' instead", logger=logger)
+
+
+def _cudnn_takes(segment_ids_bt: jax.Array) -> jax.Array:
+    """bool scalar: every row is one segment, right-padded (what the sequence-length API expresses)."""
     t = segment_ids_bt.shape[1]
     real_bt = segment_ids_bt >= 0
     lengths_b = real_bt.sum(axis=1).astype(jnp.int32)
     right_padded = jnp.all(real_bt == (jnp.arange(t)[None, :] < lengths_b[:, None]))
     one_segment = jnp.all((segment_ids_bt == segment_ids_bt[:, :1]) | ~real_bt)
+    return right_padded & one_segment
+
+
+def _warn_packed() -> None:
+    _cudnn_fallback("packed", "a batch with packed rows (several segment ids in a row) or padding before a "
+                              "row's tokens (cuDNN takes one right-padded sequence per row)")
+
+
+def _report_cudnn_batch_fallback(segment_ids_bt: jax.Array) -> None:
+    """On device: when this batch makes explicit cuDNN run blockwise, call the host once to warn. Not
+    compiled in once the warning has been given, so later programs carry no host callback."""
+    if warned(_CUDNN_PACKED):
+        return
+    jax.lax.cond(_cudnn_takes(segment_ids_bt), lambda: None, lambda: jax.debug.callback(_warn_packed))
+
+
+def _cudnn_attention(q_bthd, k_btkd, v_btkd, lengths_b: jax.Array, scale: float) -> jax.Array:
+    return jax.nn.dot_product_attention(
+        q_bthd, k_btkd, v_btkd, scale=scale, is_causal=True, query_seq_lengths=lengths_b,
+        key_value_seq_lengths=lengths_b, implementation="cudnn",
+    )
+
+
+def cudnn_self_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, scale: float, *, asked: bool = True) -> jax.Array:
+    """cuDNN flash attention where the mask is causal + right padding (the public `jax.nn` API takes
+    sequence lengths, not segment ids); packed rows, other padding, or dtypes cuDNN does not take run the
+    blockwise kernel instead (decided per call at run time for the mask). `asked`: the user named 'cudnn'
+    (not "auto"): then each fallback is logged once, and a head size cuDNN never takes is refused."""
+    d = q_bthd.shape[-1]
+    if not _on_gpu():
+        if asked:
+            _cudnn_fallback(f"platform={jax.default_backend()}", f"on {jax.default_backend()} (cuDNN needs a GPU)")
+        return blockwise_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, scale)
+    if d % 8 or d > 256:
+        if asked:
+            raise ValueError(f"attention_impl='cudnn' cannot run head_dim={d}: cuDNN flash attention takes a "
+                             "multiple of 8 up to 256; set attention_impl='blockwise' (or 'auto')")
+        return blockwise_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, scale)
+    if q_bthd.dtype not in _CUDNN_DTYPES:
+        if asked:
+            _cudnn_fallback(f"dtype={q_bthd.dtype}", f"{q_bthd.dtype} inputs (cuDNN flash attention takes "
+                                                     "bfloat16 or float16)")
+        return blockwise_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, scale)
+    lengths_b = (segment_ids_bt >= 0).sum(axis=1).astype(jnp.int32)
 
     def cudnn(q, k, v):
-        return jax.nn.dot_product_attention(
-            q, k, v, scale=scale, is_causal=True, query_seq_lengths=lengths_b,
-            key_value_seq_lengths=lengths_b, implementation="cudnn",
-        )
+        return _cudnn_attention(q, k, v, lengths_b, scale)
 
     def blockwise(q, k, v):
         return blockwise_attention(q, k, v, segment_ids_bt, scale)
 
-    return jax.lax.cond(right_padded & one_segment, cudnn, blockwise, q_bthd, k_btkd, v_btkd)
+    return jax.lax.cond(_cudnn_takes(segment_ids_bt), cudnn, blockwise, q_bthd, k_btkd, v_btkd)
 
 
 SelfAttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, float], jax.Array]
@@ -123,7 +178,10 @@ def resolve_attention_impl(name: str, platform: str | None = None) -> str:
 
 def self_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, scale: float, impl: str = "auto") -> jax.Array:
     """Causal segment-masked GQA self-attention [b, t, h, d] with the kernel `impl` (see module doc)."""
-    return SELF_ATTENTION_IMPLS[resolve_attention_impl(impl)](q_bthd, k_btkd, v_btkd, segment_ids_bt, scale)
+    name = resolve_attention_impl(impl)
+    if name == "cudnn":  # "auto" on GPU: cuDNN where it fits, blockwise elsewhere, without a word
+        return cudnn_self_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, scale, asked=impl == "cudnn")
+    return SELF_ATTENTION_IMPLS[name](q_bthd, k_btkd, v_btkd, segment_ids_bt, scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +190,7 @@ class SelfAttentionMask:
     (static). Decode passes a dense `[b, t, s]` bool mask over its cache instead."""
 
     segment_ids_bt: jax.Array
-    impl: str = "auto"
+    impl: str = "auto"  # as asked ("auto" stays "auto": `self_attention` resolves it and stays quiet)
 
 
 jax.tree_util.register_dataclass(SelfAttentionMask, data_fields=["segment_ids_bt"], meta_fields=["impl"])
@@ -141,4 +199,10 @@ jax.tree_util.register_dataclass(SelfAttentionMask, data_fields=["segment_ids_bt
 def self_attention_mask(
     attention_mask_bt: jax.Array, segment_ids_bt: jax.Array | None = None, impl: str = "auto"
 ) -> SelfAttentionMask:
-    return SelfAttentionMask(segment_ids_for_attention(attention_mask_bt, segment_ids_bt), resolve_attention_impl(impl))
+    """The layers' mask; an explicit 'cudnn' on GPU also reports (once) a batch that cuDNN cannot take, here
+    once per forward pass rather than in every layer."""
+    resolve_attention_impl(impl)  # an unknown name fails here
+    seg_bt = segment_ids_for_attention(attention_mask_bt, segment_ids_bt)
+    if impl == "cudnn" and _on_gpu():
+        _report_cudnn_batch_fallback(seg_bt)
+    return SelfAttentionMask(seg_bt, impl)

@@ -16,7 +16,7 @@ Rows `x_mi` are sorted so that group g owns rows `[sum(sizes[:g]), sum(sizes[:g+
   never copied out (a `lax.scan` over the stacked weights copies each layer's slice: 3 x 400 MB per
   Qwen3-30B-A3B layer, measured 3.7x slower); the other kernels take the slice first.
 - `megablox`: the Pallas TPU kernel `jax.experimental.pallas.ops.tpu.megablox.gmm` (its own VJP with
-  `tgmm`); off TPU it runs in Pallas interpret mode, which is how the tests check it.
+  `tgmm`); off TPU it runs in Pallas interpret mode (logged once), which is how the tests check it.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from tx.kernels.interpret import default_interpret
 
 GMM_IMPLS = ("auto", "ragged_dot", "blocked", "megablox")
 _MEGABLOX_TILE = 128
@@ -196,6 +198,6 @@ def _megablox(x_mi, w_gio, sizes_g, out_dtype):
     sizes_pad = sizes_g.at[-1].add(m_pad - total)
     tiling = (tm, min(_MEGABLOX_TILE, i), min(_MEGABLOX_TILE, o))
     out = megablox_gmm(x_pad, w_gio, sizes_pad, out_dtype, tiling, None, None, False,
-                       jax.default_backend() != "tpu")
+                       default_interpret("moe_impl", "megablox"))
     rows = jnp.arange(m, dtype=jnp.int32)
     return jnp.where((rows < total)[:, None], out[:m], 0).astype(out_dtype)

@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from tx.kernels.attention import _MASKED
+from tx.kernels.interpret import default_interpret
 
 _PADDING_PAGE = 0  # the trash page (paged_attention.TRASH_PAGE): pads the table to whole blocks
 
@@ -84,7 +85,8 @@ def pallas_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, sc
                            *, kv_heads_per_step: int | None = None, interpret: bool | None = None) -> jax.Array:
     """Causal GQA attention `[b, t, h, d]` over the rows' pages, KV blocks of `kv_block` tokens (a multiple
     of the page size). `kv_heads_per_step` (default: every kv head, a whole page per copy) divides
-    kv_heads; compiled for TPU it is all of them or a multiple of 8. `interpret` defaults to True off TPU."""
+    kv_heads; compiled for TPU it is all of them or a multiple of 8. `interpret` defaults to True off TPU
+    (logged once)."""
     b, t, h, d = q_bthd.shape
     _, _, page, kv, _ = k_pool.shape
     if kv_block % page:
@@ -95,7 +97,7 @@ def pallas_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, sc
     if hk < 1 or kv % hk:
         raise ValueError(f"kv_heads_per_step={kv_heads_per_step} must divide num kv heads {kv}")
     if interpret is None:
-        interpret = jax.default_backend() != "tpu"
+        interpret = default_interpret("paged_attention_impl", "pallas")
     if not interpret and hk != kv and hk % 8:  # Mosaic: a block's second-minor dim is whole or a multiple of 8
         raise ValueError(f"kv_heads_per_step={kv_heads_per_step} must be num kv heads {kv} or a multiple of 8 "
                          "when compiled for TPU")

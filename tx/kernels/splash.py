@@ -4,7 +4,7 @@ Same visibility rule as `tx.kernels.flash` (j <= i and seg[i] == seg[j], padding
 its group of query heads is one MQA splash call (k/v are never repeated), vmapped over batch and kv
 heads. The kernel wants lengths that are a multiple of its 128-lane blocks, so the sequence is padded
 with segment -1 at the end (invisible to real queries by causality). `interpret=True` runs the same
-kernel in Pallas interpret mode (CPU tests).
+kernel in Pallas interpret mode (CPU tests); the default off TPU, logged once.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+from tx.kernels.interpret import default_interpret
 
 _LANES = 128  # splash's kv compute block must be a multiple of the TPU lane count
 DEFAULT_BLOCK = 512
@@ -40,7 +42,7 @@ def splash_attention(
     block: int = DEFAULT_BLOCK,
     interpret: bool | None = None,
 ) -> jax.Array:
-    """[b, t, h, d] attention output. `interpret` defaults to True off TPU."""
+    """[b, t, h, d] attention output. `interpret` defaults to True off TPU (logged once)."""
     b, t, h, d = q_bthd.shape
     kv = k_btkd.shape[2]
     if h % kv:
@@ -48,7 +50,7 @@ def splash_attention(
     if block < _LANES or block % _LANES:
         raise ValueError(f"block={block} must be a positive multiple of {_LANES}")
     if interpret is None:
-        interpret = jax.default_backend() != "tpu"
+        interpret = default_interpret("attention_impl", "splash")
     padded = -(-t // _LANES) * _LANES
     block = min(block, padded)
     padded = -(-padded // block) * block

@@ -4,10 +4,16 @@ Nothing is randomly initialised: the model is traced with `nnx.eval_shape`, then
 created with `jax.make_array_from_callback`, whose callback reads only the slice a local device owns
 from the memory-mapped checkpoint (transposing HF's `[out, in]` linears and stacking layers and experts
 on the fly). Host memory therefore holds at most one device shard of one parameter at a time.
+
+Checkpoint tensors the model does not read are listed in one warning (as transformers' "Some weights of
+the model checkpoint ... were not used"), except those a checkpoint may legitimately carry (`_NOT_NEEDED`).
 """
 
 from __future__ import annotations
 
+import logging
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,6 +30,7 @@ from tx.models.registry import model_class
 from tx.models.safetensors_io import SafetensorsDir
 from tx.models.sharding import make_mesh, param_sharding
 
+logger = logging.getLogger(__name__)
 
 class CheckpointError(ValueError):
     """The checkpoint does not match the model its config describes."""
@@ -39,6 +46,10 @@ class Source(Protocol):
 
     def read(self, index: Index) -> np.ndarray: ...
 
+    def names(self) -> Iterator[str]:
+        """The checkpoint tensors it reads."""
+        ...
+
 
 @dataclass
 class Stored:
@@ -51,6 +62,9 @@ class Stored:
 
     def read(self, index: Index) -> np.ndarray:
         return np.asarray(self.files.get(self.name)[index])
+
+    def names(self) -> Iterator[str]:
+        yield self.name
 
 
 @dataclass
@@ -67,6 +81,9 @@ class Transposed:
     def read(self, index: Index) -> np.ndarray:
         inner_index = (*index[:-2], index[-1], index[-2])
         return np.swapaxes(self.inner.read(inner_index), -1, -2)
+
+    def names(self) -> Iterator[str]:
+        return self.inner.names()
 
 
 @dataclass
@@ -90,6 +107,9 @@ class Narrowed:
         shifted[self.axis] = slice(sl.start + self.start, sl.stop + self.start)
         return self.inner.read(tuple(shifted))
 
+    def names(self) -> Iterator[str]:
+        return self.inner.names()
+
 
 @dataclass
 class Stacked:
@@ -106,6 +126,10 @@ class Stacked:
 
     def read(self, index: Index) -> np.ndarray:
         return np.stack([self.parts[i].read(index[1:]) for i in range(*index[0].indices(len(self.parts)))])
+
+    def names(self) -> Iterator[str]:
+        for part in self.parts:
+            yield from part.names()
 
 
 def _expert_source(files: SafetensorsDir, prefix: str, proj: str, cfg: ModelConfig) -> Source:
@@ -153,6 +177,30 @@ def _layout_hint(cfg: ModelConfig, files: SafetensorsDir) -> str:
     if cfg.num_experts and not has_experts:
         return f" (config.json describes {cfg.num_experts} experts but the checkpoint has no expert tensors)"
     return ""
+
+
+# Tensors a checkpoint may carry that the model legitimately does not read (no warning): RoPE's
+# `rotary_emb.inv_freq` buffers (older transformers saved them; tx computes RoPE from config.json), and
+# `lm_head.weight` of a model with tied embeddings (the LM head is the embedding matrix; some tied
+# checkpoints store the copy anyway).
+_NOT_NEEDED = re.compile(r"(.*\.)?rotary_emb\.inv_freq")
+_TIED_HEAD = "lm_head.weight"
+_UNUSED_SHOWN = 10
+
+
+def warn_unused_tensors(model_dir: Path, cfg: ModelConfig, files: SafetensorsDir, used: set[str]) -> list[str]:
+    """Log one warning naming the checkpoint tensors outside `used` (the first few and the count);
+    returns them all (sorted)."""
+    unused = sorted(
+        name for name in files.keys()
+        if name not in used and not _NOT_NEEDED.fullmatch(name)
+        and not (cfg.tie_word_embeddings and name == _TIED_HEAD)
+    )
+    if unused:
+        shown = ", ".join(unused[:_UNUSED_SHOWN]) + (", ..." if len(unused) > _UNUSED_SHOWN else "")
+        logger.warning("Some weights of the model checkpoint at %s were not used when loading %s (%d tensors): %s",
+                       model_dir, cfg.architecture, len(unused), shown)
+    return unused
 
 
 def _concrete(index: tuple, shape: tuple[int, ...]) -> Index:
@@ -213,6 +261,7 @@ def load_model(
     graphdef, state = nnx.split(abstract)
     files = SafetensorsDir(model_dir)
     loaded = {}
+    used: set[str] = set()
     flat = list(nnx.to_flat_state(state))
     for path, var in tqdm(flat, desc=f"loading {model_dir.name}", unit="param", disable=None, leave=False):
         names = tuple(str(p) for p in path)
@@ -225,6 +274,7 @@ def load_model(
             )
         else:
             src = hf_source(names, abstract, files)
+            used.update(src.names())
             try:
                 src_shape = src.shape
             except KeyError as e:
@@ -240,5 +290,6 @@ def load_model(
                 dtype=want.dtype,
             )
         loaded[path] = var.replace(value)
+    warn_unused_tensors(model_dir, cfg, files, used)
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
 

@@ -1,4 +1,8 @@
-"""Model families by HF architecture name (registry, not a switch)."""
+"""Model families by HF architecture name (registry, not a switch).
+
+`@register("Qwen3ForCausalLM", ...)` on a model class; registering an architecture that another class
+already holds raises unless `replace=True` (a plugin overriding a built-in family says so explicitly).
+"""
 
 from __future__ import annotations
 
@@ -6,25 +10,18 @@ from typing import Callable, TypeVar
 
 from flax import nnx
 
+from tx.registry import Registry
+
 T = TypeVar("T", bound=type[nnx.Module])
-_FAMILIES: dict[str, type[nnx.Module]] = {}
+FAMILIES: Registry[type[nnx.Module]] = Registry("architecture")
 
 
-def register(*architectures: str) -> Callable[[T], T]:
-    def deco(cls: T) -> T:
-        for name in architectures:
-            _FAMILIES[name] = cls
-        return cls
-
-    return deco
+def register(*architectures: str, replace: bool = False) -> Callable[[T], T]:
+    return FAMILIES.decorator(*architectures, replace=replace)
 
 
 def model_class(architecture: str) -> type[nnx.Module]:
     # Import the built-in families lazily so that registering happens on first use.
     import tx.models.qwen3  # noqa: F401
 
-    if architecture not in _FAMILIES:
-        raise ValueError(
-            f"unsupported architecture {architecture!r}; supported: {', '.join(sorted(_FAMILIES))}"
-        )
-    return _FAMILIES[architecture]
+    return FAMILIES.get(architecture)
