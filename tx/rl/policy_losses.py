@@ -400,7 +400,8 @@ def check_policy_loss_config(name: str, params: Mapping[str, float] | None, tis_
 def value_loss(values_t, old_values_t, returns_t, value_clip) -> jax.Array:
     """The critic's per-token loss (PPO's clipped value loss, as SkyRL): with V' = old + clip(V - old, -c, c),
     0.5 * max((V' - R)^2, (V - R)^2); `value_clip` c <= 0 means no clipping, 0.5 * (V - R)^2. Not reduced:
-    callers weigh it by the masked token mean over the mini-batch."""
+    tx.rl's critic weighs it as SkyRL reduces it, each sequence's masked mean, then the mean over the mini-batch's
+    sequences (`critic.value_datums`)."""
     v, old, ret = jnp.asarray(values_t), jnp.asarray(old_values_t), jnp.asarray(returns_t)
     clipped = old + jnp.clip(v - old, -value_clip, value_clip)
     unclipped = (v - ret) ** 2
