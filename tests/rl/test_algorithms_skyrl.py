@@ -19,22 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.rl.test_algorithms import GROUPS, LENGTHS, B, T, ragged_mask  # noqa: F401  (the same ragged batch)
 from tx.rl import algorithms as alg
 
 TOL64 = 1e-6
 TOL32 = 1e-5
-
-T = 9
-LENGTHS = [9, 5, 1, 0, 7, 3, 9, 4]  # ragged; row 3 fully masked
-GROUPS = ["a", "a", "a", "b", "b", "c", "d", "d"]  # "c" is a singleton group
-B = len(LENGTHS)
-
-
-def ragged_mask(lengths=LENGTHS, t=T):
-    m = np.zeros((len(lengths), t))
-    for b, n in enumerate(lengths):
-        m[b, :n] = 1.0
-    return m
 
 
 def groups_of(group_ids):
