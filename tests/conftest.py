@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Qwen3 checkpoints written to a temp dir, and 8 CPU devices for sharding."""
+"""Shared fixtures: tiny random Qwen3 checkpoints written to a temp dir, 8 CPU devices for sharding, and
+one-device backends unless a test asks for a mesh."""
 
 import os
 
@@ -10,7 +11,12 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest
 
+from tests.helpers import pin_mesh_default
 from tx.models.tiny import TinySpec, write_tiny_model
+
+# Before any test module builds a config: backends run on one device unless a test sizes its mesh (the
+# production default spans all 8 devices; see tests/helpers.py).
+pin_mesh_default()
 
 # name -> spec; covers tied/untied, GQA ratio 1 and 2, MoE with/without norm_topk_prob, mixed dense/MoE
 # layers, and a sharded safetensors checkpoint.

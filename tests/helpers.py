@@ -1,9 +1,56 @@
-"""Test helpers: reference log-probs from transformers, batches, PEFT weight extraction."""
+"""Test helpers: the tests' one-device mesh default, reference log-probs from transformers, batches, PEFT
+weight extraction."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import numpy as np
-import torch
+
+# The tests' mesh: backends built in a test process run on ONE device unless the test sizes a mesh itself (the
+# process has 8 virtual CPU devices for the tests that do). tests/conftest.py applies this as the default of
+# JaxBackendConfig's fsdp size for the whole session (`pin_mesh_default`): every backend a test builds, also
+# through the SFT / RL trainers (their mesh sizes default to the backend's), then compiles for one device.
+# A test that wants the production default (every device) uses `production_mesh_default()`.
+ONE_DEVICE = {"fully_sharded_data_parallel_size": 1}
+FSDP_FIELD = "fully_sharded_data_parallel_size"
+
+
+def _set_fsdp_default(value: int) -> int:
+    """Set JaxBackendConfig's default fsdp size (rebuilding its validator); the previous default."""
+    from tx.backends.config import JaxBackendConfig
+
+    field = JaxBackendConfig.model_fields[FSDP_FIELD]
+    before, field.default = field.default, value
+    JaxBackendConfig.model_rebuild(force=True)
+    if JaxBackendConfig().fully_sharded_data_parallel_size != value:  # pydantic changed how defaults are kept
+        raise RuntimeError(f"could not set the tests' default {FSDP_FIELD}={value}")
+    return before
+
+
+def pin_mesh_default() -> None:
+    """Make one device the default mesh of every JaxBackendConfig built in this process (tests/conftest.py)."""
+    _set_fsdp_default(ONE_DEVICE[FSDP_FIELD])
+
+
+@contextlib.contextmanager
+def production_mesh_default():
+    """Within: JaxBackendConfig's fsdp size defaults to what users get (-1: every device)."""
+    from tx.models.sharding import AUTO
+
+    before = _set_fsdp_default(AUTO)
+    try:
+        yield
+    finally:
+        _set_fsdp_default(before)
+
+
+def one_device_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this process's) for a subprocess that runs tx on one CPU device (the conftest pin does
+    not reach into subprocesses; tests/api/server_proc.py does the same for its servers)."""
+    return {**(os.environ if env is None else env), "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+            "JAX_PLATFORMS": "cpu"}
 
 
 def random_batch(seed: int, lengths: list[int], vocab: int, pad_to: int | None = None):
@@ -20,6 +67,8 @@ def random_batch(seed: int, lengths: list[int], vocab: int, pad_to: int | None =
 
 
 def hf_logprobs(model, ids: np.ndarray, mask: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    import torch
+
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask)).logits
     logprobs = torch.log_softmax(logits.float(), dim=-1)

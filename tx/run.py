@@ -9,7 +9,10 @@ Process 0 serves the Tinker HTTP API (drive it with the `tinker` SDK: base_url=h
 key starting with tml- that the server accepts) and broadcasts every backend call over a control
 channel (TCP, `--control-port`, default coordinator port + 1; peers prove a shared secret, see
 `--control-secret-file`) to the other processes, which run the worker loop. On Cloud TPU pass
-`--auto-distributed` and let `jax.distributed.initialize()` discover the hosts. `--job smoke` instead trains, samples and saves one adapter and exits (a quick self-check).
+`--auto-distributed` and let `jax.distributed.initialize()` discover the hosts. The (fsdp, ep, tp) mesh
+spans every device of every process unless sized smaller: fsdp is the devices left by ep x tp (-1 or
+'auto'; any one axis may take that role), and the startup log names the mesh and its devices.
+`--job smoke` instead trains, samples and saves one adapter and exits (a quick self-check).
 """
 
 from __future__ import annotations
@@ -58,8 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                    help="import MODULE on every process before serving (repeatable): modules that register losses, "
                         "e.g. `--import tx.rl` for the RL trainer's objective (python -m tx.rl --base-url)")
-    m.add_argument("--backend-config", default="{}", help="JaxBackendConfig as JSON (flags below override it)")
-    add_config_flags(m, JaxBackendConfig, skip=("coordinator_address", "num_processes"))
+    m.add_argument("--backend-config", default="{}", help="JaxBackendConfig as JSON (the flags given override it; "
+                   "--coordinator-address / --num-processes must agree with it); the mesh sizes default to every "
+                   "device: fsdp = devices / (ep x tp), 'auto' or -1 for the axis that takes the rest")
+    add_config_flags(m, JaxBackendConfig, skip=PROCESS_FIELDS)
     j = p.add_argument_group("job (process 0)")
     j.add_argument("--job", choices=["serve", "smoke"], default="serve",
                    help="serve: the Tinker API; smoke: train an adapter on synthetic batches, sample, exit")
@@ -111,20 +116,34 @@ def service_configs(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         parser.error(f"invalid service config: {e}")
 
 
+PROCESS_FIELDS = ("coordinator_address", "num_processes")  # flags of their own group, also JaxBackendConfig fields
+
+
 def backend_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> JaxBackendConfig:
+    """`--backend-config` JSON with the flags the user passed on top. The process flags
+    (--coordinator-address, --num-processes) and the JSON's fields of the same names must agree when both
+    are given; either one starts the run (`args` is updated from the result)."""
     try:
         values = json.loads(args.backend_config)
     except json.JSONDecodeError as e:
         parser.error(f"--backend-config is not valid JSON: {e}")
+    if not isinstance(values, dict):
+        parser.error(f"--backend-config must be a JSON object, got {args.backend_config!r}")
     for name in JaxBackendConfig.model_fields:
         value = getattr(args, name, None)
-        if value is not None:
-            values[name] = value
-    values |= {"coordinator_address": args.coordinator_address, "num_processes": args.num_processes}
+        if value is None:
+            continue
+        if name in PROCESS_FIELDS and values.get(name) is not None and str(values[name]) != str(value):
+            flag = "--" + name.replace("_", "-")
+            parser.error(f"{flag} {value} and --backend-config {name}={values[name]!r} differ: give one, or the same")
+        values[name] = value
     try:
-        return JaxBackendConfig.model_validate(values)
+        config = JaxBackendConfig.model_validate(values)
     except ValidationError as e:
         parser.error(f"invalid backend config: {e}")
+    for name in PROCESS_FIELDS:
+        setattr(args, name, getattr(config, name))
+    return config
 
 
 def base_models(args: argparse.Namespace, parser: argparse.ArgumentParser):
@@ -139,7 +158,8 @@ def base_models(args: argparse.Namespace, parser: argparse.ArgumentParser):
 def validate_processes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     explicit = [args.coordinator_address, args.num_processes, args.process_id]
     if any(x is not None for x in explicit) and not all(x is not None for x in explicit):
-        parser.error("--coordinator-address, --num-processes and --process-id go together")
+        parser.error("--coordinator-address, --num-processes and --process-id go together (the first two may come "
+                     "from --backend-config)")
     if args.num_processes is not None:
         if args.num_processes < 1:
             parser.error(f"--num-processes {args.num_processes} must be >= 1")
@@ -224,8 +244,8 @@ def smoke_job(backend, steps: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    config = backend_config(args, parser)  # first: the process fields may come from --backend-config
     validate_processes(args, parser)
-    config = backend_config(args, parser)
     models = base_models(args, parser)
     service = service_configs(args, parser)
     for module in args.imports:  # every process: the hosts must hold the same losses (checked at connect)

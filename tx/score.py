@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 
 from tx.models.config import LoraSlots
 from tx.models.loading import load_model, resolve_model_dir
-from tx.models.sharding import batch_spec, make_mesh
+from tx.models.sharding import batch_spec, describe_mesh, make_mesh, resolve_mesh_shape
 from tx.models.tiny import TinySpec, write_tiny_model
 
 SAMPLE_TEXTS = [
@@ -83,22 +83,30 @@ def score(model_dir: Path, texts: list[str], mesh, dtype: str | None, chunk_size
     return results
 
 
+def _mesh_size(value: str) -> int:
+    return -1 if value.strip().lower() == "auto" else int(value)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tx.score", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", nargs="?", default="tiny",
                         help="HF model directory or hub id; 'tiny' (default) writes and uses the built-in tiny model")
     parser.add_argument("--text", action="append", help="text to score (repeatable; default: three sample texts)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="base weight dtype (default: the checkpoint's)")
-    parser.add_argument("--fsdp", type=int, default=1, help="mesh size of the fsdp axis")
-    parser.add_argument("--ep", type=int, default=1, help="mesh size of the expert-parallel axis")
-    parser.add_argument("--tp", type=int, default=1, help="mesh size of the tensor-parallel axis")
+    parser.add_argument("--fsdp", type=_mesh_size, default=-1, help="mesh size of the fsdp axis (default -1 or "
+                        "'auto': the devices ep x tp leave, so the mesh spans every device)")
+    parser.add_argument("--ep", type=_mesh_size, default=1, help="mesh size of the expert-parallel axis")
+    parser.add_argument("--tp", type=_mesh_size, default=1, help="mesh size of the tensor-parallel axis")
     parser.add_argument("--chunk-size", type=int, default=1024, help="tokens per log-prob chunk")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    n = args.fsdp * args.ep * args.tp
-    if n > len(jax.devices()):
-        parser.error(f"mesh fsdp*ep*tp = {n} needs {n} devices; {len(jax.devices())} available")
-    mesh = make_mesh(args.fsdp, args.ep, args.tp, devices=jax.devices()[:n])
+    try:
+        shape = resolve_mesh_shape(args.fsdp, args.ep, args.tp, jax.device_count(), jax.process_count(),
+                                   names={"fsdp": "--fsdp", "ep": "--ep", "tp": "--tp"})
+    except ValueError as e:
+        parser.error(str(e))
+    mesh = make_mesh(shape.fsdp, shape.ep, shape.tp, devices=jax.devices()[:shape.size])
+    logging.getLogger(__name__).info("mesh %s", describe_mesh(mesh, jax.device_count(), jax.process_count()))
     model_dir = tiny_model_dir() if args.model == "tiny" else resolve_model_dir(args.model)
     for row in score(model_dir, args.text or SAMPLE_TEXTS, mesh, args.dtype, args.chunk_size):
         print(json.dumps(row))

@@ -92,44 +92,37 @@ def test_cudnn_head_size_it_never_takes_is_refused(caplog, fake_gpu):
     assert _warnings(caplog) == []
 
 
-def test_cudnn_packed_batch_warns_once_at_run_time(caplog, fake_gpu):
-    """The packed / padding decision is per batch on device: the forward pass (mask built once, outside the
-    layers) calls the host only when the batch falls back, also under remat and grad; once warned, newly
-    traced programs carry no callback, and "auto" never does."""
+def test_cudnn_runs_blockwise_for_packed_rows_and_the_backend_says_so(caplog, fake_gpu, tiny_dirs):
+    """Packed rows are decided on device (lax.cond: right-padded single segments take cuDNN, the rest blockwise,
+    also under remat and grad); the backend, which holds the rows on the host, warns once when an explicit
+    'cudnn' meets packed rows, so the compiled program carries no host callback."""
+    import tx
+    from tests.helpers import make_batch
+
     q, k, v = _qkv(jnp.bfloat16)
-    mask_bt = (RIGHT_PADDED >= 0).astype(jnp.int32)
+    real = np.asarray(RIGHT_PADDED >= 0)  # padding queries' outputs are garbage in every kernel
+    for seg in (RIGHT_PADDED, jnp.where(real, PACKED, -1)):
+        want = reference_self_attention(q, k, v, seg, 0.3)
+        got = jax.jit(jax.checkpoint(lambda q, s: self_attention(q, k, v, s, 0.3, "cudnn")))(q, seg)
+        np.testing.assert_allclose(np.asarray(got, np.float32)[real], np.asarray(want, np.float32)[real], atol=2e-2)
+        grad = jax.grad(lambda q, s: jnp.sum(self_attention(q, k, v, s, 0.3, "cudnn").astype(jnp.float32) ** 2))
+        assert np.isfinite(np.asarray(grad(q, seg), np.float32)).all()
+    assert "callback" not in str(jax.make_jaxpr(lambda s: self_attention_mask(s >= 0, s, "cudnn").segment_ids_bt)(PACKED))
 
-    @jax.jit
-    def loss(q, k, v, segments_bt, impl="cudnn"):
-        def f(q):
-            mask = self_attention_mask(mask_bt, segments_bt, impl)
-            out = jax.checkpoint(lambda q: self_attention(q, k, v, mask.segment_ids_bt, 0.3, mask.impl))(q)
-            return jnp.sum(out.astype(jnp.float32) ** 2)
-
-        return jax.value_and_grad(f)(q)
-
+    backend = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(max_lora_adapters=2, max_lora_rank=1,
+                                                                     max_seq_len=32, attention_impl="cudnn"))
+    datum = {"input_ids": list(range(1, 9)), "targets": list(range(2, 10))}
+    packed = "attention_impl='cudnn' cannot run a batch with packed rows"
     with caplog.at_level(logging.WARNING):
-        got = loss(q, k, v, jnp.zeros_like(RIGHT_PADDED))  # one right-padded segment per row: cuDNN
-        jax.effects_barrier()
-        assert _warnings(caplog) == []
-        want = reference_self_attention(q, k, v, RIGHT_PADDED, 0.3)
-        out = self_attention(q, k, v, RIGHT_PADDED, 0.3, "cudnn")
-        real = np.asarray(RIGHT_PADDED >= 0)  # padding queries' outputs are garbage in every kernel
-        np.testing.assert_allclose(np.asarray(out, np.float32)[real], np.asarray(want, np.float32)[real], atol=2e-2)
+        backend.forward(make_batch([("r", "", [datum], "cross_entropy", None)]))
+        assert not [w for w in _warnings(caplog) if w.startswith(packed)]
         for _ in range(2):
-            jax.block_until_ready(loss(q, k, v, jnp.where(mask_bt > 0, PACKED, 0)))  # a packed row: blockwise
-            jax.effects_barrier()
-    assert np.isfinite(np.asarray(got[1], np.float32)).all()
-    assert _warnings(caplog) == [
-        "attention_impl='cudnn' cannot run a batch with packed rows (several segment ids in a row) or padding "
-        "before a row's tokens (cuDNN takes one right-padded sequence per row); running 'blockwise' instead"]
-
-    def mask_jaxpr(impl):
-        return str(jax.make_jaxpr(lambda s: self_attention_mask(mask_bt, s, impl).segment_ids_bt)(PACKED))
-
-    assert "callback" not in mask_jaxpr("cudnn") and "callback" not in mask_jaxpr("auto")
-    forget_warnings()
-    assert "callback" in mask_jaxpr("cudnn")
+            out = backend.forward(make_batch([("r", "", [datum], "cross_entropy", None)],
+                                             all_segment_ids=[[0] * 4 + [1] * 4]))
+            assert out["r"].loss_fn_outputs
+    assert [w for w in _warnings(caplog) if w.startswith(packed)] == [
+        "attention_impl='cudnn' cannot run a batch with packed rows (several segment ids in a row, as SFT packs) "
+        "(cuDNN takes one right-padded sequence per row); running 'blockwise' instead"]
 
 
 def test_splash_off_tpu_warns_once(caplog):

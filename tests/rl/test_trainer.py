@@ -125,16 +125,24 @@ def test_objective_refuses_an_unknown_policy_loss_id():
         tx.losses.resolve_config(objective.OBJECTIVE, {**config, "kl_estimator": 7.0})
 
 
-def test_rank_0_and_temperature_train_against_a_frozen_tempered_reference(tmp_path):
+def test_rank_0_and_temperature_train_against_a_frozen_tempered_reference(tmp_path, caplog):
     """lora.rank=0: full training (FullBackend; trainer.bf16=False: float32 weights), with the KL loss against a frozen copy of the base weights; and
     generator.sampling_params.temperature=0.7 (algorithm.temperature follows): the old log-probs come from a
     forward at 0.7 (the sampler's are untempered). Before the update the ratio is 1 (nothing clipped) and the
     tempered reference equals the policy (KL exactly 0); after it KL > 0 (the reference did not move with the
     policy). Exports are HF models."""
     policy = {"model": {"path": "tiny", "lora": {"rank": 0}}, "optimizer_config": {"lr": 1e-4, "weight_decay": 0.0}}
-    trainer = RLTrainer(example(tmp_path, {"sampling_params": {"max_generate_length": 16, "temperature": 0.7}},
-                                eval_before_train=False, eval_interval=-1, train_batch_size=4, policy_mini_batch_size=4,
-                                epochs=1, ckpt_interval=-1, policy=policy, bf16=False))
+    # the example's prompts, and three too long for max_prompt_length: dropped with a warning and a metric
+    data = tmp_path / "with_long.jsonl"
+    long = {"prompt": [{"role": "user", "content": "many words " * 40}], "env_class": "letters", "charset": "digits"}
+    data.write_text((ROOT / "examples/data/rl_digits.jsonl").read_text() + (json.dumps(long) + "\n") * 3)
+    cfg = example(tmp_path, {"sampling_params": {"max_generate_length": 16, "temperature": 0.7}},
+                  eval_before_train=False, eval_interval=-1, train_batch_size=4, policy_mini_batch_size=4, epochs=1,
+                  ckpt_interval=-1, policy=policy, bf16=False)
+    cfg.data.train_data = [str(data)]
+    with caplog.at_level("WARNING", logger="tx.rl.trainer"):
+        trainer = RLTrainer(cfg)
+    assert "data.train_data: 3 of 67 prompts are longer than trainer.max_prompt_length=64 tokens" in caplog.text
     assert trainer.full and trainer.policy.backend.precision.param_dtype == "fp32" and trainer.policy.reference is not trainer.policy.backend
     assert trainer.runs[0].cfg.trainer.algorithm.temperature == 0.7
     trajectories = trainer._collect({})["policy"]
@@ -153,6 +161,7 @@ def test_rank_0_and_temperature_train_against_a_frozen_tempered_reference(tmp_pa
     trainer.batches_used = 0
     records = [trainer.train_step() for _ in range(2)]
     assert records[0]["policy/policy_kl"] == 0.0 and records[0]["policy/clip_ratio"] == 0.0, records[0]
+    assert records[0]["data/dropped_rows"] == 3
     assert records[1]["policy/policy_kl"] > 0.0, records[1]
     trainer.export(tmp_path / "export")
     assert (tmp_path / "export/policy/config.json").exists()

@@ -1,8 +1,9 @@
 """tx.sft reads SkyRL's SFTConfig names: same config as the native spelling, dotted overrides, unknown keys
-named, placement-only fields warned about, rank 0 = full training, and a SkyRL-format LoRA run end to end."""
+named, placement-only fields refused by name, rank 0 = full training, and a SkyRL-format LoRA run end to end."""
 
 import json
 import subprocess
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from tests.helpers import one_device_env
 from tx.sft.__main__ import load_config
 from tx.sft.config import SFTConfig
 from tx.sft.data import load_rows, to_messages
@@ -43,7 +45,8 @@ NATIVE = {
     "data": {"dataset": TRAIN, "split": "train[:32]", "messages_key": "conversation", "tools_key": "fns",
              "system_key": "sys", "max_length": 64, "train_on_what": "all_assistant_messages", "eval_dataset": EVAL,
              "eval_split": "test"},
-    "batch_size": 8, "num_steps": 7, "seed": 7, "packing": True, "pack_length": 128, "micro_batch_rows": 4,
+    "batch_size": 8, "num_steps": 7, "seed": 7, "packing": True, "pack_length": 128,
+    "micro_batch_rows_per_device": 4,
     "eval_interval": 3, "eval_before_train": True, "ckpt_path": "/ckpt", "ckpt_interval": 2, "max_ckpts_to_keep": 3,
     "resume_from": "latest", "export_path": "/exp", "hf_save_interval": 4, "cache_dir": "/cache",
     "force_recache": True, "dummy_run_max_steps": 2, "wandb_project": "proj", "wandb_run_name": "r1",
@@ -69,7 +72,8 @@ def test_seed_yaml_equals_native_config(tmp_path):
     default = load_config(None, [f"dataset_name={TRAIN}"])
     assert (default.base_model, default.batch_size, default.seed, default.runs[0].learning_rate) == ("Qwen/Qwen3-0.6B", 4, 42, 1e-6)
     assert (default.optimizer.beta2, default.runs[0].weight_decay, default.data.max_length) == (0.999, 0.01, None)
-    assert (default.data.split, default.micro_batch_rows, default.packing, default.ckpt_path) == ("train[:100]", 2, False, None)
+    assert (default.data.split, default.micro_batch_rows_per_device, default.packing, default.ckpt_path) == (
+        "train[:100]", 2, False, None)
 
 
 def test_dotted_overrides(tmp_path):
@@ -128,17 +132,16 @@ def test_mixed_formats_and_unhonourable_values_are_errors(tmp_path):
             load_config(path, [override])
 
 
-def test_placement_fields_warn_by_name_and_change_nothing(tmp_path):
+def test_placement_fields_are_refused_by_name_with_the_reason(tmp_path):
     placement = ["placement.num_nodes=2", "placement.num_gpus_per_node=8", "megatron_config.tensor_model_parallel_size=4",
                  "fsdp_config.cpu_offload=true", "fsdp_config.mixed_precision.param_dtype=fp32", "strategy=fsdp",
                  "sequence_parallel_size=2", "use_torch_compile=true", "record_memory=true",
                  "enable_ray_gpu_monitor=false", "num_workers=0", "remove_microbatch_padding=false",
                  "optimizer_config.offload_after_step=false", "model.lora.lora_sync_path=/x"]
-    with pytest.warns(SeedFieldIgnored) as record:
-        cfg = load_config(write(tmp_path, SEED), placement)
-    named = sorted(str(w.message).split(":")[0] for w in record)
-    assert named == sorted(o.split("=")[0] for o in placement)
-    assert cfg == load_config(write(tmp_path, SEED), [])
+    for override in placement:  # one policy with tx.rl: refused, naming the field and why
+        with pytest.raises(ValueError, match=rf"^{re.escape(override.split('=')[0])}: not applicable to tx \(.+\); "
+                                             "remove it$"):
+            load_config(write(tmp_path, SEED), [override])
     with pytest.raises(ValueError, match="only one of use_sample_packing"):
         load_config(write(tmp_path, SEED), ["use_sample_packing=true", "remove_microbatch_padding=true"])
 
@@ -176,7 +179,7 @@ def test_seed_full_training_trains_and_exports_an_hf_model(tiny_dirs, tmp_path):
                  "optimizer_config.num_warmup_steps=0", f"ckpt_path={tmp_path / 'ckpts'}",
                  f"export_path={tmp_path / 'export'}", "eval_dataset_name=null"]
     proc = subprocess.run([sys.executable, "-m", "tx.sft", "--config", "examples/sft_seed_tiny.yaml", *overrides],
-                          check=False, capture_output=True, text=True, cwd=ROOT, timeout=300)
+                          check=False, capture_output=True, text=True, cwd=ROOT, timeout=300, env=one_device_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     losses = [r["policy/loss"] for r in records if "policy/loss" in r]
@@ -214,12 +217,10 @@ def test_split_slices_system_prompt_and_json_tools():
 def test_seed_lora_config_trains_end_to_end(tiny_dirs, tmp_path):
     """The bundled SkyRL-format example (rank 8), 3 steps, through the CLI with SkyRL-style overrides."""
     overrides = [f"model.path={tiny_dirs['dense']}", "num_steps=3", f"ckpt_path={tmp_path / 'ckpts'}",
-                 f"export_path={tmp_path / 'export'}", "placement.num_gpus_per_node=8", "strategy=fsdp",
-                 "eval_dataset_name=null"]  # no eval: one compile less
+                 f"export_path={tmp_path / 'export'}", "eval_dataset_name=null"]  # no eval: one compile less
     proc = subprocess.run([sys.executable, "-m", "tx.sft", "--config", "examples/sft_seed_tiny.yaml", *overrides],
-                          check=False, capture_output=True, text=True, cwd=ROOT, timeout=300)
+                          check=False, capture_output=True, text=True, cwd=ROOT, timeout=300, env=one_device_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "placement.num_gpus_per_node: ignored by tx" in proc.stderr and "strategy: ignored by tx" in proc.stderr
     records = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     losses = [r["policy/loss"] for r in records if "policy/loss" in r]
     assert len(losses) == 3 and losses[2] < losses[0]

@@ -3,14 +3,41 @@
 from __future__ import annotations
 
 import json
-from typing import Literal
+import logging
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+from tx.log import warn_once
+from tx.models.sharding import AUTO, MESH_FIELDS, MeshShape, resolve_mesh_shape
+
+logger = logging.getLogger(__name__)
 
 # 16k padded tokens per call: the issue asks one 16,384-token row to train in <= 6 GB (blockwise attention,
 # remat), so a call of this size fits wherever that row fits, while [rows, t] matmuls of 16k tokens already
 # keep an accelerator busy: bigger calls would gain little speed and risk memory.
 DEFAULT_MICRO_BATCH_TOKENS = 16384
+
+
+def _mesh_size(value):
+    """'auto' (a flag's or JSON's spelling) is -1; a mesh size is >= 1 or -1."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return AUTO
+    return value
+
+
+def _check_mesh_size(value: int) -> int:
+    if value < 1 and value != AUTO:
+        raise ValueError(f"{value} is not a mesh size: >= 1, or -1 / 'auto' (the devices the other axes leave)")
+    return value
+
+
+# A mesh axis size: >= 1, or -1 / "auto" (see tx.models.sharding.resolve_mesh_shape)
+MeshSize = Annotated[int, BeforeValidator(_mesh_size), AfterValidator(_check_mesh_size)]
+
+# training_mode="full" trains the base weights; the model still carries LoRA slots (read by slot 0, zero), the
+# smallest it allows: these values, whatever max_lora_adapters / max_lora_rank say (a value given is logged)
+FULL_MODE_LORA_SLOTS = {"max_lora_adapters": 2, "max_lora_rank": 1}
 
 
 class MixedPrecisionConfig(BaseModel):
@@ -33,9 +60,14 @@ class JaxBackendConfig(BaseModel):
 
     max_lora_adapters: int = Field(16, ge=2, description="adapter slots including slot 0 (the base model)")
     max_lora_rank: int = Field(32, ge=1, description="largest LoRA rank; every slot is allocated at this rank")
-    tensor_parallel_size: int = Field(1, ge=1, description="mesh size of the 'tp' axis")
-    expert_parallel_size: int = Field(1, ge=1, description="mesh size of the 'ep' axis")
-    fully_sharded_data_parallel_size: int = Field(1, ge=1, description="mesh size of the 'fsdp' axis")
+    tensor_parallel_size: MeshSize = Field(1, description="mesh size of the 'tp' axis (-1 or 'auto': the devices "
+                                           "the other axes leave)")
+    expert_parallel_size: MeshSize = Field(1, description="mesh size of the 'ep' axis (-1 or 'auto': the devices "
+                                           "the other axes leave)")
+    fully_sharded_data_parallel_size: MeshSize = Field(
+        AUTO, description="mesh size of the 'fsdp' axis; -1 or 'auto' (default): the devices the other axes leave, "
+        "so the mesh spans every device of the run (every local device, or every device of every process). At "
+        "most one size is -1; the sizes must divide the device count")
     train_micro_batch_tokens: int = Field(
         DEFAULT_MICRO_BATCH_TOKENS, ge=0, description="padded tokens (rows x bucketed length) per jit call of "
         "forward/forward_backward: the rows of a round, all tenants, are sorted by length and packed into "
@@ -134,4 +166,31 @@ class JaxBackendConfig(BaseModel):
                              "mixed_precision.param_dtype")
         if self.kv_block % self.kv_page_size:
             raise ValueError(f"kv_block={self.kv_block} must be a multiple of kv_page_size={self.kv_page_size}")
+        if sum(getattr(self, name) == AUTO for name in MESH_FIELDS.values()) > 1:
+            resolve_mesh_shape(*self.mesh_sizes(), num_devices=1)  # raises, naming the -1 fields
+        if self.training_mode == "full":
+            for name, used in full_mode_lora_slots(self).items():
+                setattr(self, name, used)  # the config says what runs (also on the workers it is sent to)
         return self
+
+    def mesh_sizes(self) -> tuple[int, int, int]:
+        """(fsdp, ep, tp) as given, -1 = auto."""
+        return (self.fully_sharded_data_parallel_size, self.expert_parallel_size, self.tensor_parallel_size)
+
+    def mesh_shape(self, num_devices: int, num_processes: int = 1) -> MeshShape:
+        """The mesh these sizes give over the run's `num_devices` devices (see `resolve_mesh_shape`)."""
+        return resolve_mesh_shape(*self.mesh_sizes(), num_devices=num_devices, num_processes=num_processes)
+
+
+def full_mode_lora_slots(config: JaxBackendConfig) -> dict[str, int]:
+    """The `FULL_MODE_LORA_SLOTS` values that differ from `config`'s; each one the user gave (`model_fields_set`)
+    is logged once, naming what runs instead (it is not refused: one command line may serve both modes)."""
+    changes = {}
+    for name, used in FULL_MODE_LORA_SLOTS.items():
+        value = getattr(config, name)
+        if value != used:
+            if name in config.model_fields_set:
+                warn_once(("full_mode", name, value), f"{name}={value} is not used with training_mode='full' (no "
+                          f"LoRA adapters: every base weight trains); it runs with {name}={used}", logger=logger)
+            changes[name] = used
+    return changes

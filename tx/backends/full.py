@@ -39,7 +39,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tx import types
-from tx.backends.config import JaxBackendConfig, MixedPrecisionConfig
+from tx.backends.config import JaxBackendConfig, MixedPrecisionConfig, full_mode_lora_slots
 from tx.backends.jax import JaxBackend
 from tx.backends.steps import adamw
 from tx.checkpoints import external, storage, training
@@ -138,9 +138,9 @@ class FullBackend(JaxBackend):
     def __init__(self, base_model: str, config: JaxBackendConfig | None = None, run_id: str | None = None):
         config = config or JaxBackendConfig(training_mode="full")
         if config.training_mode == "full":
-            # LoRA slots are not used in full mode: the smallest the model allows (slot 0 = zero, rank 1).
-            config = config.model_copy(update={
-                "max_lora_adapters": 2, "max_lora_rank": 1,
+            # The config's validation already did this; a config copied into training_mode="full" (model_copy
+            # skips validation) gets the full mode's LoRA slots here (a value the user gave is logged once).
+            config = config.model_copy(update=full_mode_lora_slots(config) | {
                 "mixed_precision": config.mixed_precision or MixedPrecisionConfig()})
         self.precision: MixedPrecisionConfig = config.mixed_precision or MixedPrecisionConfig()
         self.param_dtype = DTYPES[self.precision.param_dtype]

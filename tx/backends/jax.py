@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tx import losses, types
 from tx.backends import batching
@@ -28,10 +28,12 @@ from tx.backends.sampler import Sampler
 from tx.backends.slots import SlotTable
 from tx.backends.steps import (commit_grads, init_opt_state, make_model_pass, make_optim_step, split_model,
                                zero_slot)
+from tx.kernels.attention import warn_cudnn_packed
+from tx.log import warn_once
 from tx.models.adapters import clear_adapter, init_adapter
 from tx.models.config import LoraSlots
 from tx.models.loading import load_model, resolve_model_dir
-from tx.models.sharding import batch_spec, make_mesh, put_global, to_host
+from tx.models.sharding import batch_spec, describe_mesh, make_mesh, put_global, to_host
 
 logger = logging.getLogger(__name__)
 
@@ -50,19 +52,14 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
             raise ValueError(f"training_mode={config.training_mode!r} is served by "
                              f"{'tx.backends.full.FullBackend' if config.training_mode == 'full' else 'JaxBackend'}, "
                              f"not {type(self).__name__}")
-        fsdp = config.fully_sharded_data_parallel_size
-        n = fsdp * config.expert_parallel_size * config.tensor_parallel_size
-        if n > len(jax.devices()):
-            raise ValueError(f"mesh fsdp*ep*tp = {n} needs {n} devices; {len(jax.devices())} available")
-        if jax.process_count() > 1 and n != jax.device_count():
-            raise ValueError(f"a multi-host mesh must cover all {jax.device_count()} devices of the "
-                             f"{jax.process_count()} processes; fsdp*ep*tp = {n}")
+        self.mesh = build_mesh(config)
+        fsdp = self.mesh.shape["fsdp"]
         if config.train_micro_batch_size % fsdp:
             raise ValueError(
-                f"train_micro_batch_size={config.train_micro_batch_size} must be a multiple of "
-                f"fully_sharded_data_parallel_size={fsdp}"
+                f"train_micro_batch_size={config.train_micro_batch_size} must be a multiple of the mesh's fsdp size "
+                f"{fsdp} (fully_sharded_data_parallel_size={config.fully_sharded_data_parallel_size}): each call's "
+                "rows are split over the fsdp devices"
             )
-        self.mesh = make_mesh(fsdp, config.expert_parallel_size, config.tensor_parallel_size, jax.devices()[:n])
         self.model_dir = resolve_model_dir(base_model)
         self.model = self._load_base()
         self.max_seq_len = config.max_seq_len or self.model.config.max_position_embeddings
@@ -241,6 +238,8 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
             results[batch.request_batch_slices[r][0]] = types.ErrorResponse(error=message)
         if not rows:
             return results
+        if self.config.attention_impl == "cudnn" and any(r.segment_ids[0] != r.segment_ids[-1] for r in rows):
+            warn_cudnn_packed()  # those micro-batches run blockwise (decided on device)
         name = "forward_backward" if with_grad else "forward"
         graphdef, lora, frozen = self._split_trainable()
         extra_keys = losses.extra_input_keys()
@@ -389,6 +388,23 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
     @property
     def sampling_active(self) -> bool:
         return self._sampler.active
+
+
+def build_mesh(config: JaxBackendConfig) -> Mesh:
+    """The config's (fsdp, ep, tp) mesh over the run's devices (every device of every process by default),
+    logged; a mesh the user sized smaller than the run is logged once with the devices it leaves idle."""
+    num_devices, num_processes = jax.device_count(), jax.process_count()
+    shape = config.mesh_shape(num_devices, num_processes)
+    mesh = make_mesh(shape.fsdp, shape.ep, shape.tp, jax.devices()[:shape.size])
+    described = describe_mesh(mesh, num_devices, num_processes)
+    if shape.idle:
+        warn_once(("idle_devices", shape), f"mesh {described}: {shape.idle} of the {num_devices} devices stay idle "
+                  f"(fully_sharded_data_parallel_size={config.fully_sharded_data_parallel_size}, "
+                  f"expert_parallel_size={config.expert_parallel_size}, "
+                  f"tensor_parallel_size={config.tensor_parallel_size}; -1 = the devices the others leave)",
+                  logger=logger)
+    logger.info("mesh %s", described)
+    return mesh
 
 
 def _non_finite_output(rows: list[batching.Row], members: list[int], logprobs: list[np.ndarray],

@@ -18,6 +18,7 @@ from tx.backends.config import JaxBackendConfig
 from tx.backends.steps import split_model
 from tx.distributed.backend import DistributedBackend
 from tx.distributed.control import Coordinator
+from tx.models.sharding import describe_mesh
 
 logger = logging.getLogger(__name__)
 MIB = 1 << 20
@@ -78,11 +79,13 @@ def memory_report(impl) -> dict:
 
 def load_backends(models: BaseModels, config: JaxBackendConfig,
                   coordinator: Coordinator | None) -> dict[str, DistributedBackend]:
-    """One backend per base model, in order (the first is the default), each logged with its memory."""
+    """One backend per base model, in order (the first is the default), each logged with its mesh (shape,
+    device kinds, processes) and memory."""
     backends: dict[str, DistributedBackend] = {}
     for i, name in enumerate(models.names()):
         backend = DistributedBackend(model_dir_of(name), config, coordinator, target="" if i == 0 else name)
         backends[name] = backend
         logger.info(json.dumps({"event": "base_model_loaded", "base_model": name, "default": i == 0,
+                                "mesh": describe_mesh(backend.impl.mesh, jax.device_count(), jax.process_count()),
                                 **memory_report(backend.impl)}))
     return backends

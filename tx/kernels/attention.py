@@ -12,9 +12,9 @@ picks one by platform (`AUTO_IMPL`).
 
 No silent fallbacks: "auto" quietly runs whatever fits, but an explicit `attention_impl='cudnn'` that cannot
 run logs once per reason (`tx.log.warn_once`) `attention_impl='cudnn' cannot run <reason>; running
-'blockwise' instead` -- off GPU, float32 inputs (at trace time), and batches with packed rows or padding
-that is not at the end of a row (decided per batch on device, reported by a host callback that is only
-compiled in until it has fired once) -- and refuses a head size cuDNN never takes.
+'blockwise' instead` -- off GPU and float32 inputs here, at trace time; packed rows (several segment ids in a
+row) are decided per batch on device and announced by the backend, which sees the rows on the host
+(`warn_cudnn_packed`): no host callback in the compiled program -- and refuses a head size cuDNN never takes.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from tx.kernels.flash import blockwise_attention
 from tx.kernels.splash import splash_attention
-from tx.log import warn_once, warned
+from tx.log import warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,6 @@ def _on_gpu() -> bool:
 
 
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
-_CUDNN_PACKED = ("attention_impl", "cudnn", "packed")  # warn_once key of the per-batch fallback
 
 
 def _cudnn_fallback(reason_key: str, reason: str) -> None:
@@ -104,17 +103,12 @@ def _cudnn_takes(segment_ids_bt: jax.Array) -> jax.Array:
     return right_padded & one_segment
 
 
-def _warn_packed() -> None:
-    _cudnn_fallback("packed", "a batch with packed rows (several segment ids in a row) or padding before a "
-                              "row's tokens (cuDNN takes one right-padded sequence per row)")
-
-
-def _report_cudnn_batch_fallback(segment_ids_bt: jax.Array) -> None:
-    """On device: when this batch makes explicit cuDNN run blockwise, call the host once to warn. Not
-    compiled in once the warning has been given, so later programs carry no host callback."""
-    if warned(_CUDNN_PACKED):
-        return
-    jax.lax.cond(_cudnn_takes(segment_ids_bt), lambda: None, lambda: jax.debug.callback(_warn_packed))
+def warn_cudnn_packed() -> None:
+    """For a backend whose batch holds packed rows while attention_impl='cudnn' was asked for: on GPU those
+    batches run blockwise (off GPU every batch does, already said at trace time)."""
+    if _on_gpu():
+        _cudnn_fallback("packed", "a batch with packed rows (several segment ids in a row, as SFT packs) (cuDNN takes one "
+                                  "right-padded sequence per row)")
 
 
 def _cudnn_attention(q_bthd, k_btkd, v_btkd, lengths_b: jax.Array, scale: float) -> jax.Array:
@@ -199,10 +193,6 @@ jax.tree_util.register_dataclass(SelfAttentionMask, data_fields=["segment_ids_bt
 def self_attention_mask(
     attention_mask_bt: jax.Array, segment_ids_bt: jax.Array | None = None, impl: str = "auto"
 ) -> SelfAttentionMask:
-    """The layers' mask; an explicit 'cudnn' on GPU also reports (once) a batch that cuDNN cannot take, here
-    once per forward pass rather than in every layer."""
+    """The layers' mask, with the impl as asked ("auto" stays "auto")."""
     resolve_attention_impl(impl)  # an unknown name fails here
-    seg_bt = segment_ids_for_attention(attention_mask_bt, segment_ids_bt)
-    if impl == "cudnn" and _on_gpu():
-        _report_cudnn_batch_fallback(seg_bt)
-    return SelfAttentionMask(seg_bt, impl)
+    return SelfAttentionMask(segment_ids_for_attention(attention_mask_bt, segment_ids_bt), impl)

@@ -8,6 +8,9 @@ Rules, per layer (a scanned stack adds a leading unsharded layer axis):
 - MoE experts (`[E, ...]`) put the expert axis on "ep";
 - the batch is sharded over "fsdp" (`batch_spec`).
 
+The mesh's sizes come from `resolve_mesh_shape` (one size may be -1: the devices the others leave), which
+every caller that sizes a mesh uses (the backends through `JaxBackendConfig.mesh_shape`, the SFT trainer).
+
 Fallbacks (logged once per parameter): attention heads are replicated over "tp" unless both
 num_attention_heads and num_key_value_heads divide by the tp size (or `shard_attention_heads=False`);
 any other dimension that does not divide by its mesh axes is replicated along them.
@@ -16,6 +19,10 @@ any other dimension that does not divide by its mesh axes is replicated along th
 from __future__ import annotations
 
 import logging
+import math
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -46,6 +53,75 @@ OTHER_SPECS: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("gate", "kernel"): (None, None),  # MoE router [d, experts], small and read by every token
     ("lm_head", "value_head"): (None, None, None),  # [A, d, 1]: tiny, replicated
 }
+
+
+AUTO = -1  # a mesh size of -1 ("auto" in a flag or JSON): the devices the other two axes leave
+# mesh axis -> the JaxBackendConfig field that sizes it (callers with their own names pass `names`)
+MESH_FIELDS = {"fsdp": "fully_sharded_data_parallel_size", "ep": "expert_parallel_size", "tp": "tensor_parallel_size"}
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """A resolved (fsdp, ep, tp) mesh shape and the devices of the run it was resolved against."""
+
+    fsdp: int
+    ep: int
+    tp: int
+    num_devices: int
+
+    @property
+    def size(self) -> int:
+        return self.fsdp * self.ep * self.tp
+
+    @property
+    def idle(self) -> int:
+        """Devices of the run the mesh leaves out."""
+        return self.num_devices - self.size
+
+
+def resolve_mesh_shape(fsdp: int, ep: int, tp: int, num_devices: int, num_processes: int = 1,
+                       names: Mapping[str, str] = MESH_FIELDS) -> MeshShape:
+    """The (fsdp, ep, tp) sizes over `num_devices` devices (all devices of all `num_processes` processes).
+
+    At most one size may be -1 (`AUTO`): it gets the devices the other two leave, which must divide
+    `num_devices`. With no -1, the product must divide `num_devices`; a smaller mesh leaves devices idle
+    (the caller says so), which a multi-process run refuses: its mesh must span every process. Errors name
+    the fields (`names`: axis -> field name, e.g. a trainer's own spelling) and their values."""
+    sizes = {"fsdp": fsdp, "ep": ep, "tp": tp}
+    given = ", ".join(f"{names[a]}={v}" for a, v in sizes.items())
+    for axis, value in sizes.items():
+        if value < 1 and value != AUTO:
+            raise ValueError(f"{names[axis]}={value}: a mesh size is >= 1, or -1 (auto: the devices the other "
+                             "axes leave)")
+    auto = [a for a, v in sizes.items() if v == AUTO]
+    if len(auto) > 1:
+        raise ValueError(f"{' and '.join(f'{names[a]}=-1' for a in auto)}: at most one mesh size may be -1 (auto)")
+    fixed = math.prod(v for v in sizes.values() if v != AUTO)
+    if fixed > num_devices:
+        raise ValueError(f"{given}: {'the sizes other than -1 need' if auto else 'the mesh needs'} {fixed} devices; "
+                         f"the run has {num_devices}")
+    if num_devices % fixed:
+        if auto:
+            raise ValueError(f"{given}: the sizes other than -1 multiply to {fixed}, which does not divide the "
+                             f"{num_devices} devices of the run, so {names[auto[0]]}=-1 (auto) has no size")
+        raise ValueError(f"{given}: their product {fixed} does not divide the {num_devices} devices of the run")
+    if auto:
+        sizes[auto[0]] = num_devices // fixed
+    elif num_processes > 1 and fixed != num_devices:
+        raise ValueError(f"{given}: a multi-process mesh must cover all {num_devices} devices of the {num_processes} "
+                         f"processes, this one covers {fixed}")
+    return MeshShape(**sizes, num_devices=num_devices)
+
+
+def describe_mesh(mesh: Mesh, num_devices: int | None = None, num_processes: int = 1) -> str:
+    """E.g. `fsdp=8 ep=1 tp=1 over 8 devices (cpu x8) on 1 process` (`over 4 of 8 devices` when the run has
+    `num_devices` and the mesh leaves some idle): the startup log's account of the mesh."""
+    kinds = Counter(d.device_kind for d in mesh.devices.flat)
+    axes = " ".join(f"{a}={mesh.shape[a]}" for a in MESH_AXES)
+    of = f" of {num_devices}" if num_devices not in (None, mesh.devices.size) else ""
+    devices = ", ".join(f"{kind} x{n}" for kind, n in kinds.items())
+    return (f"{axes} over {mesh.devices.size}{of} devices ({devices}) on {num_processes} "
+            f"process{'es' if num_processes > 1 else ''}")
 
 
 def make_mesh(fsdp: int = 1, ep: int = 1, tp: int = 1, devices: list | None = None) -> Mesh:

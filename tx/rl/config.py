@@ -15,12 +15,13 @@ training `max_generate_length`. Batch sizes count prompts (`train_batch_size`, `
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tx.rl.algorithms import OffPolicyCorrection
 from tx.sft.seed_config import OptimizerConfig, SkyRLLoraConfig
+from tx.training.mesh import MeshFields
 
 
 class _Seed(BaseModel):
@@ -268,8 +269,10 @@ class DataConfig(_Seed):
     val_data: list[str] = ["~/data/gsm8k/validation.parquet"]
 
 
-class TxSettings(_Seed):
-    """Settings the seed has no name for."""
+class TxSettings(MeshFields, _Seed):
+    """Settings the seed has no name for (also the mesh: `fsdp_size`, `ep_size`, `tp_size`; default every device)."""
+
+    MESH_PREFIX: ClassVar[str] = "tx."
 
     metrics_file: str | None = Field(None, description="metrics as JSON lines, one per step / eval")
     max_lora_adapters: int | None = Field(None, ge=2, description="default: runs + 1")

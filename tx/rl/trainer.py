@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 from tqdm import tqdm
 
@@ -102,13 +103,16 @@ class RLTrainer:
         self.full = 0 in ranks  # rank 0: every base weight trains (one run; the config checks the rest)
         critics = [r for r in self.runs if r.critic]
         ranks += [r.cfg.trainer.critic.model.lora.rank for r in critics]
+        # SkyRL's micro-batch is per GPU: a jit call, which spans the mesh, takes it times the fsdp size (a server's
+        # mesh, with tx.base_url, is the server's own)
+        fsdp = 1 if cfg.tx.base_url else cfg.tx.mesh_shape(jax.device_count(), jax.process_count()).fsdp
         config = JaxBackendConfig(
-            training_mode="full" if self.full else "lora",
+            training_mode="full" if self.full else "lora", **cfg.tx.mesh_sizes(),
             mixed_precision=MixedPrecisionConfig(param_dtype="bf16" if t.bf16 else "fp32") if self.full else None,
             dtype=None if self.full or t.bf16 else "float32",
             max_lora_adapters=cfg.tx.max_lora_adapters or len(self.runs) + len(critics) + 1,
             max_lora_rank=max(1, *ranks),
-            max_seq_len=a.max_seq_len, train_micro_batch_size=t.micro_train_batch_size_per_gpu,
+            max_seq_len=a.max_seq_len, train_micro_batch_size=t.micro_train_batch_size_per_gpu * fsdp,
             gradient_checkpointing=t.gradient_checkpointing, loss_chunk_size=cfg.tx.loss_chunk_size,
             max_num_samples=max(g.n_samples_per_prompt, g.eval_n_samples_per_prompt),
             **({"train_micro_batch_tokens": cfg.tx.micro_batch_tokens} if cfg.tx.micro_batch_tokens is not None else {}),

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tx.backends.config import DEFAULT_MICRO_BATCH_TOKENS, MixedPrecisionConfig
 from tx.sft.masks import TrainOnWhat
+from tx.training.mesh import MeshFields
 
 
 class _Strict(BaseModel):
@@ -53,7 +54,7 @@ class DataConfig(_Strict):
     eval_split: str = "train"
 
 
-class SFTConfig(_Strict):
+class SFTConfig(MeshFields, _Strict):
     base_model: str = Field("tiny", description="HF directory or hub id; 'tiny' = the built-in tiny model")
     runs: list[RunConfig] = Field(default_factory=lambda: [RunConfig()], min_length=1)
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -67,7 +68,11 @@ class SFTConfig(_Strict):
     packing: bool = True
     micro_batch_tokens: int = Field(DEFAULT_MICRO_BATCH_TOKENS, ge=0, description="padded tokens per jit call: "
                                     "a step's rows are packed by length under this budget (0 = no budget)")
-    micro_batch_rows: int = Field(0, ge=0, description="at most this many rows per jit call (0 = no row cap)")
+    micro_batch_rows: int = Field(0, ge=0, description="at most this many rows per jit call, over the whole mesh (0 = "
+                                  "no row cap)")
+    micro_batch_rows_per_device: int | None = Field(
+        None, ge=1, description="instead of micro_batch_rows: rows per fsdp device (the seed's "
+        "micro_train_batch_size_per_gpu); a jit call takes this x the mesh's fsdp size")
     eval_interval: int = Field(0, ge=0, description="steps between evals (0 = only at the end)")
     eval_before_train: bool = False
     ckpt_path: str | None = Field(None, description="checkpoints go to <ckpt_path>/global_step_N/")
@@ -95,8 +100,6 @@ class SFTConfig(_Strict):
     mixed_precision: MixedPrecisionConfig | None = Field(
         None, description="rank-0 (full training) runs only: param_dtype 'bf16' (default; float32 master weights) "
         "or 'fp32'; gradient sums and Adam moments are float32")
-    fsdp_size: int = Field(1, ge=1, description="devices the weights, gradient sums and Adam state are sharded over "
-                           "(the mesh's fsdp axis; batches are split over it too)")
 
     @model_validator(mode="after")
     def _check(self) -> SFTConfig:
@@ -119,6 +122,9 @@ class SFTConfig(_Strict):
         if self.mixed_precision is not None and not full:
             raise ValueError("mixed_precision applies to full training (a run with rank 0) only: LoRA weights and "
                              "their Adam moments are float32, the base keeps the checkpoint's dtype")
+        if self.micro_batch_rows_per_device is not None and "micro_batch_rows" in self.model_fields_set:
+            raise ValueError("set micro_batch_rows (per jit call) or micro_batch_rows_per_device (per fsdp device), "
+                             "not both")
         if self.export_merged and full:
             raise ValueError("export_merged: a rank-0 run's export (export_path) already is the whole model")
         if self.dummy_run_full_ctx and self.data.max_length is None:

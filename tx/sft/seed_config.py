@@ -3,8 +3,9 @@
 A config written for SkyRL's SFT trainer (`model.path`, `model.lora.rank`, `optimizer_config.lr`,
 `dataset_name`, `micro_train_batch_size_per_gpu`, ...) is validated against the seed's field names and
 defaults (unknown keys are errors that name the key), then translated to tx's own config. Fields that only
-mean something to Ray / Megatron / PyTorch-FSDP placement are ignored with a `SeedFieldIgnored` warning
-naming the field; fields tx cannot honour with the value given are errors. A `tx:` section holds tx-only
+mean something to Ray / Megatron / PyTorch-FSDP placement are refused, naming the field and the reason (as
+tx.rl does: a config that sets them expects an effect tx cannot give); fields tx cannot honour with the value
+given are errors. A `tx:` section holds tx-only
 settings (native SFTConfig names, merged last).
 
 The single run is named "policy", so checkpoints and exports land where SkyRL puts them
@@ -24,7 +25,7 @@ from tx.sft.config import SFTConfig
 
 
 class SeedFieldIgnored(UserWarning):
-    """A seed config field that only steers Ray / Megatron / FSDP placement; tx does not use it."""
+    """A seed config value tx reads differently from SkyRL (e.g. resume_from='latest' without a ckpt_path)."""
 
 
 class _Seed(BaseModel):
@@ -144,8 +145,8 @@ class SeedSFTConfig(_Seed):
         return v.split(".")[-1].lower() if isinstance(v, str) else v
 
 
-# seed field -> why tx has no use for it (placement / PyTorch-engine only; training results do not change)
-IGNORED = {
+# seed field -> why tx refuses it (placement / PyTorch-engine only)
+NOT_APPLICABLE = {
     "placement": "Ray placement: tx is one SPMD program over every device JAX sees",
     "megatron_config": "Megatron parallelism: tx shards over its own (fsdp, ep, tp) mesh",
     "fsdp_config": "PyTorch FSDP wrapping: tx shards over its own (fsdp, ep, tp) mesh; LoRA weights and their "
@@ -215,14 +216,14 @@ def _set_paths(model: BaseModel, prefix: str = "") -> list[str]:
     return out
 
 
-def _ignored_reason(path: str, full: bool) -> str | None:
+def _not_applicable_reason(path: str, full: bool) -> str | None:
     parts = path.split(".")
     for i in range(len(parts), 0, -1):
         prefix = ".".join(parts[:i])
         if prefix == "fsdp_config.mixed_precision":  # the precision policy of full training (rank 0)
             return None if full else ("applies to full training (rank 0) only: LoRA weights and their Adam "
                                       "moments are float32, the base keeps the checkpoint's dtype")
-        reason = IGNORED.get(prefix)
+        reason = NOT_APPLICABLE.get(prefix)
         if reason:
             return reason
     return None
@@ -259,12 +260,12 @@ def _deep_merge(base: dict, extra: dict) -> dict:
 
 
 def translate(s: SeedSFTConfig) -> dict[str, Any]:
-    """The native SFTConfig values a validated seed config means (warns for each ignored field it sets)."""
+    """The native SFTConfig values a validated seed config means (refuses the placement-only fields it sets)."""
     _check_honourable(s)
     for path in _set_paths(s):
-        reason = _ignored_reason(path, full=s.model.lora.rank == 0)
+        reason = _not_applicable_reason(path, full=s.model.lora.rank == 0)
         if reason:
-            warnings.warn(f"{path}: ignored by tx ({reason})", SeedFieldIgnored, stacklevel=3)
+            raise ValueError(f"{path}: not applicable to tx ({reason}); remove it")
     lora, opt = s.model.lora, s.optimizer_config
     run = {"name": "policy", "rank": lora.rank, "alpha": lora.alpha, "seed": s.seed, "learning_rate": opt.lr,
            "weight_decay": opt.weight_decay}
@@ -299,7 +300,7 @@ def translate(s: SeedSFTConfig) -> dict[str, Any]:
         "seed": s.seed,
         "packing": s.use_sequence_packing,
         "pack_length": s.max_tokens_per_microbatch,
-        "micro_batch_rows": s.micro_train_batch_size_per_gpu,
+        "micro_batch_rows_per_device": s.micro_train_batch_size_per_gpu,
         "eval_interval": max(0, s.eval_interval),  # SkyRL: <= 0 disables periodic eval
         "eval_before_train": s.eval_before_train,
         "ckpt_path": ckpt_path,

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 from tqdm import tqdm
 
@@ -54,14 +55,22 @@ class SFTTrainer:
 
             base = str(tiny_model_dir())
         self.base_model = base
+        mesh = cfg.mesh_shape(jax.device_count(), jax.process_count())  # refused here in this config's names
+        per_device = cfg.micro_batch_rows_per_device
+        micro_rows = cfg.micro_batch_rows if per_device is None else per_device * mesh.fsdp
+        if micro_rows % mesh.fsdp:
+            raise ValueError(f"micro_batch_rows={cfg.micro_batch_rows} must be a multiple of the mesh's fsdp size "
+                             f"{mesh.fsdp} (mesh fsdp={mesh.fsdp} ep={mesh.ep} tp={mesh.tp} over {mesh.num_devices} "
+                             "devices): each call's rows are split over the fsdp devices; set micro_batch_rows or "
+                             "fsdp_size")
         config = JaxBackendConfig(
             training_mode=cfg.training_mode,  # rank 0: every base weight is trained (FullBackend)
             mixed_precision=cfg.mixed_precision if cfg.training_mode == "full" else None,
-            fully_sharded_data_parallel_size=cfg.fsdp_size,
+            **cfg.mesh_sizes(),  # a size left None: the backend's default (fsdp: every device ep x tp leave)
             max_lora_adapters=cfg.max_lora_adapters or len(cfg.runs) + 1,
             max_lora_rank=max(1, *(r.rank for r in cfg.runs)),
             train_micro_batch_tokens=cfg.micro_batch_tokens,
-            train_micro_batch_size=cfg.micro_batch_rows,
+            train_micro_batch_size=micro_rows,
             max_seq_len=max(cfg.pack_length or 0, cfg.data.max_length or 0) or None,
             loss_chunk_size=cfg.loss_chunk_size,
             gradient_checkpointing=cfg.gradient_checkpointing,

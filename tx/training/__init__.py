@@ -1,0 +1,1 @@
+"""What the SFT and RL trainers share."""
