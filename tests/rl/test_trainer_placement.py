@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tests.rl.test_trainer import example
-from tx.rl import objective
+from tx.rl import objective, update
 from tx.rl.trainer import RLTrainer
 
 
@@ -22,13 +22,13 @@ def test_rollout_is_with_prompt_mean_in_the_loss_or_in_the_advantages(tmp_path):
         hf_save_interval=-1))
     run = trainer.runs[0]
     episodes = trainer._collect({})["policy"]
-    prep, _ = trainer._prepare(run, episodes, None, None)
+    prep, _ = update.prepare(run, episodes, None, None)
     idx = np.arange(len(episodes))
     rng = np.random.default_rng(0)
     losses, datums_by = {}, {}
     for placement in ("loss", "advantages"):
         run.cfg.trainer.algorithm.loss_reduction_placement = placement
-        datums, loss, config = trainer._minibatch(run, episodes, prep, idx, rng)
+        datums, loss, config = update.minibatch(run, episodes, prep, idx, rng)
         out = trainer.policy.forward({"policy": (datums, loss, config)})["policy"]
         losses[placement], datums_by[placement] = out, datums
     # numpy: prompt_mean = mean over prompts of each prompt's token mean; rollout_is: -sg(f) * A * lp with
