@@ -5,11 +5,13 @@
         --base-model Qwen/Qwen3-8B --tensor-parallel-size 4 --fully-sharded-data-parallel-size 8 \\
         --host 0.0.0.0 --api-key tml-... --control-secret-file ~/tx-control.secret
 
-Process 0 serves the Tinker HTTP API (drive it with the `tinker` SDK: base_url=http://HOST:PORT and any
-key starting with tml- that the server accepts) and broadcasts every backend call over a control
-channel (TCP, `--control-port`, default coordinator port + 1; peers prove a shared secret, see
-`--control-secret-file`) to the other processes, which run the worker loop. On Cloud TPU pass
-`--auto-distributed` and let `jax.distributed.initialize()` discover the hosts. The (fsdp, ep, tp) mesh
+Process 0 (launched with `--process-id 0`, on the coordinator address's host; on a TPU pod not always
+`jax.process_index()` 0, see tx/ranks.py) serves the Tinker HTTP API (drive it with the `tinker` SDK:
+base_url=http://HOST:PORT and any key starting with tml- that the server accepts) and broadcasts every
+backend call over a control channel (TCP, `--control-port`, default coordinator port + 1; peers prove a
+shared secret, see `--control-secret-file`) to the other processes, which run the worker loop. On Cloud
+TPU pass `--auto-distributed` and let `jax.distributed.initialize()` discover the hosts (process 0 is then
+the process id it detects). The (fsdp, ep, tp) mesh
 spans every device of every process unless sized smaller: fsdp is the devices left by ep x tp (-1 or
 'auto'; any one axis may take that role), and the startup log names the mesh and its devices.
 `--job smoke` instead trains, samples and saves one adapter and exits (a quick self-check).
@@ -197,14 +199,15 @@ def control_endpoint(args: argparse.Namespace) -> tuple[str, int]:
     return host, args.control_port or port + 1
 
 
-def control_channel(args: argparse.Namespace, parser: argparse.ArgumentParser, process_id: int):
-    """(host, port, secret) of the control channel; exits with the reason if no secret can be had."""
+def control_channel(args: argparse.Namespace, parser: argparse.ArgumentParser, launch_rank: int):
+    """(host, port, secret) of the control channel; exits with the reason if no secret can be had. Launch rank 0
+    (the coordinator address's host, which listens) writes a loopback run's per-launch secret."""
     from tx.distributed.auth import resolve_secret
 
     host, port = control_endpoint(args)
     try:
         return host, port, resolve_secret(secret=args.control_secret, secret_file=args.control_secret_file,
-                                          host=host, port=port, coordinator=process_id == 0)
+                                          host=host, port=port, coordinator=launch_rank == 0)
     except (ValueError, PermissionError) as e:
         parser.error(f"control channel: {e}")
 
@@ -257,11 +260,12 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s", force=True)
     control = None
     if args.coordinator_address is not None and args.num_processes > 1:  # known now: refuse before starting
-        control = control_channel(args, parser, args.process_id)
+        control = control_channel(args, parser, args.process_id)  # the launch rank, before jax knows it
     initialize_distributed(args)
 
     import jax
 
+    from tx import ranks
     from tx.distributed.auth import AuthError
     from tx.distributed.control import Coordinator, WorkerFailure
     from tx.distributed.models import load_backends, model_dir_of
@@ -269,10 +273,13 @@ def main(argv: list[str] | None = None) -> int:
 
     base_model = model_dir_of(args.base_model)
     multi = jax.process_count() > 1
+    if multi:  # the roles follow the launch rank (tx.ranks); on a TPU pod jax.process_index() may differ from it
+        ranks.log_ranks("--auto-distributed: the process id jax.distributed.initialize() detected"
+                        if args.auto_distributed else "--process-id", always=args.auto_distributed)
     if multi and control is None:
-        control = control_channel(args, parser, jax.process_index())
+        control = control_channel(args, parser, ranks.launch_rank())
     host, port, secret = control or (None, None, None)
-    if jax.process_index() != 0:
+    if not ranks.is_coordinator():  # launch rank 0 runs the engine, not jax.process_index() 0 (tx.ranks)
         try:
             status = run_worker(host, port, secret, connect_timeout=args.connect_timeout)
         except AuthError as e:

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tx import types
+from tx import ranks, types
 from tx.backends.steps import init_opt_state, put_slot, take_slot
 from tx.checkpoints import external, peft_format, storage, training
 from tx.models.adapters import plan_adapter_weights, write_adapter_slot
@@ -122,7 +122,7 @@ class CheckpointMixin:
         age-encrypted to `age_recipients` when given. Every process computes, process 0 writes."""
         slot = self._slot(model_id)
         lora = self.models[model_id].lora_config
-        if jax.process_index() != 0:
+        if not ranks.is_primary_writer():
             peft_format.get_adapter_weights(self.model, slot, lora.rank)  # the same collectives
             return
         external.parse_recipients(age_recipients)  # refused before anything is written
@@ -170,7 +170,7 @@ class CheckpointMixin:
         info = {"format": SAMPLER_FORMAT, "model_id": model_id, "persisted": persist, "base_model": self.base_model,
                 "base": training.base_signature(self.model.config), "rank": meta.lora_config.rank,
                 "saved_at": time.time()}
-        primary = jax.process_index() == 0  # every process computes, process 0 writes
+        primary = ranks.is_primary_writer()  # every process computes, one writes (tx.ranks)
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
             if not primary:

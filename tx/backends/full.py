@@ -38,7 +38,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tx import types
+from tx import ranks, types
 from tx.backends.config import JaxBackendConfig, MixedPrecisionConfig, full_mode_lora_slots
 from tx.backends.jax import JaxBackend
 from tx.backends.steps import adamw
@@ -338,7 +338,7 @@ class FullBackend(JaxBackend):
         info = self._export_info(model_id, persisted=persist)
         if persist:
             save_sampler_model(output_path, self.model, self.model_dir, info)
-        elif jax.process_index() == 0:
+        elif ranks.is_primary_writer():
             with tempfile.TemporaryDirectory() as tmp:
                 marker = Path(tmp) / "marker.json"
                 marker.write_text(json.dumps({"format": FULL_SAMPLER_FORMAT, **info}))
@@ -375,7 +375,7 @@ class FullBackend(JaxBackend):
         with tempfile.TemporaryDirectory() as tmp:
             hf = Path(tmp) / "model"
             export_hf_model(hf, self.model, self.model_dir)
-            if jax.process_index() != 0:
+            if not ranks.is_primary_writer():
                 return
             (hf / "tx_metadata.json").write_text(json.dumps(self._export_info(model_id), indent=2))
             external.publish_dir(hf, output_path, age_recipients)

@@ -35,6 +35,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 import tx
+from tx import ranks
 from tx.checkpoints import storage
 from tx.checkpoints.training import CheckpointError, _flatten, base_signature, read_metadata
 from tx.export import SIDE_FILES, copy_files
@@ -79,7 +80,7 @@ def save_full_checkpoint(path, params_state: Any, opt_state: Any, step: int, met
     meta = {"tx_version": tx.__version__, **metadata, "format": FORMAT, "step": int(step),
             "tensors": {g: {k: {"shape": list(np.shape(v)), "dtype": str(v.dtype)} for k, v in d.items()}
                         for g, d in groups.items()}}
-    primary = jax.process_index() == 0
+    primary = ranks.is_primary_writer()  # orbax's primary host (tx.ranks)
     with storage.write_dir(path, version=version, primary=primary) as local:
         checkpointer = ocp.StandardCheckpointer()
         for group, arrays in groups.items():
@@ -253,7 +254,7 @@ def export_hf_model(path, model: nnx.Module, base_model_dir, *, dtype: str | Non
     nbytes = {t.name: math.prod(t.shape) * out_dtype[t.name].itemsize for t in tensors}
     files = _split_files(tensors, nbytes, max_shard_bytes)
     gather = _Gather(arrays, chunk_bytes)
-    primary = jax.process_index() == 0
+    primary = ranks.is_primary_writer()
     out = Path(path)
     if primary:
         out.mkdir(parents=True, exist_ok=True)
@@ -291,7 +292,7 @@ def save_sampler_model(output_path, model: nnx.Module, base_model_dir, info: dic
     with tempfile.TemporaryDirectory() as tmp:
         hf = Path(tmp) / "model"
         export_hf_model(hf, model, base_model_dir, **export_kwargs)
-        if jax.process_index() != 0:
+        if not ranks.is_primary_writer():
             return
         meta = {"tx_version": tx.__version__, **info, "format": SAMPLER_FORMAT}
         (hf / "tx_metadata.json").write_text(json.dumps(meta, indent=2))

@@ -17,6 +17,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import tx
+from tx import ranks
 from tx.checkpoints import storage
 from tx.models.config import ModelConfig
 
@@ -64,7 +65,7 @@ def save(path, *, weights: Any, scales: Any, opt_state: Any, rank: int, metadata
     }
     meta = {"format": FORMAT, "tx_version": tx.__version__, "rank": rank,
             "shapes": {g: {k: list(v.shape) for k, v in d.items()} for g, d in arrays.items()}, **metadata}
-    primary = jax.process_index() == 0
+    primary = ranks.is_primary_writer()  # orbax's primary host (tx.ranks)
     with storage.write_dir(path, version=version, primary=primary) as local:
         checkpointer = ocp.StandardCheckpointer()
         checkpointer.save((local / "state").absolute(), arrays)

@@ -9,9 +9,7 @@ import threading
 import time
 from typing import Callable
 
-import jax
-
-from tx import losses
+from tx import losses, ranks
 from tx.distributed import auth, checks
 from tx.distributed.backend import method_of
 from tx.distributed.rpc import Channel, decode_kwargs
@@ -45,7 +43,7 @@ def run_worker(host: str, port: int, secret: Callable[[], bytes], *, connect_tim
                heartbeat_interval: float = 1.0) -> int:
     """Serve calls from process 0 until it says shutdown (returns 0, or 1 if it stops the run for a
     failure) or disappears (returns 1)."""
-    process_id = jax.process_index()
+    process_id = ranks.launch_rank()  # the coordinator expects launch ranks 1..N-1 (tx.ranks)
     channel = connect(host, port, connect_timeout, secret,
                       {"process_id": process_id, "pid": os.getpid(), "losses": list(losses.names())})
     stop = threading.Event()
