@@ -46,7 +46,7 @@ def fake_gpu(monkeypatch):
         mask_bts = jnp.tril(jnp.ones((t, t), bool))[None] & real_bs[:, None, :]
         return attn.attention(q, k, v, mask_bts, scale)
 
-    monkeypatch.setattr(attn, "_on_gpu", lambda: True)
+    monkeypatch.setattr(attn, "_on_gpu", lambda platform: True)
     monkeypatch.setattr(attn, "_cudnn_attention", dense_cudnn)
 
 

@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from tx.log import warn_once
+from tx.models.logical import DEFAULT_RULES, LOGICAL_AXES, MESH_AXES, check_rules
 from tx.models.sharding import AUTO, MESH_FIELDS, MeshShape, resolve_mesh_shape
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,9 @@ def _check_mesh_size(value: int) -> int:
 
 # A mesh axis size: >= 1, or -1 / "auto" (see tx.models.sharding.resolve_mesh_shape)
 MeshSize = Annotated[int, BeforeValidator(_mesh_size), AfterValidator(_check_mesh_size)]
+
+# The logical-axis rules table (tx.models.logical): checked names, kept as a tuple of pairs
+LogicalRules = Annotated[tuple[tuple[str, str | None], ...], AfterValidator(check_rules)]
 
 # training_mode="full" trains the base weights; the model still carries LoRA slots (read by slot 0, zero), the
 # smallest it allows: these values, whatever max_lora_adapters / max_lora_rank say (a value given is logged)
@@ -121,6 +125,12 @@ class JaxBackendConfig(BaseModel):
     )
     enforce_eager: bool = Field(False, description="run without jit (debugging)")
     shard_attention_heads: bool = Field(True, description="shard attention heads over 'tp' when they divide")
+    logical_axis_rules: LogicalRules = Field(
+        DEFAULT_RULES,
+        description="[logical axis, mesh axis or null] pairs: how parameters and activations that name their axes "
+        f"({', '.join(LOGICAL_AXES)}) are laid out over the mesh ({', '.join(MESH_AXES)}); for each dimension "
+        "the first rule of its name whose mesh axis the tensor has not used yet wins; unlisted names are replicated"
+    )
     gradient_checkpointing: bool = Field(
         True, description="recompute each layer in the backward pass (what it keeps: remat_policy)"
     )

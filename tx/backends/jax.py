@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tx import losses, types
+from tx import losses, ranks, types
 from tx.backends import batching
 from tx.backends.base import AbstractBackend
 from tx.backends.checkpointing import CheckpointMixin
@@ -29,6 +29,7 @@ from tx.backends.slots import SlotTable
 from tx.backends.steps import (commit_grads, init_opt_state, make_model_pass, make_optim_step, split_model,
                                zero_slot)
 from tx.kernels.attention import warn_cudnn_packed
+from tx.kernels.platform import platform_of
 from tx.log import warn_once
 from tx.models.adapters import clear_adapter, init_adapter
 from tx.models.config import LoraSlots
@@ -53,6 +54,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
                              f"{'tx.backends.full.FullBackend' if config.training_mode == 'full' else 'JaxBackend'}, "
                              f"not {type(self).__name__}")
         self.mesh = build_mesh(config)
+        self.platform = platform_of(self.mesh)  # what every program of this backend is built for (static)
         fsdp = self.mesh.shape["fsdp"]
         if config.train_micro_batch_size % fsdp:
             raise ValueError(
@@ -72,6 +74,10 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         self._grad_sum = jax.tree.map(jnp.zeros_like, lora)
         self.metrics = types.EngineMetrics()
         self._fns: dict[Any, Callable] = {}
+        # program name -> (jitted fn, abstract args, kwargs) of its last call, kept while `record_programs`
+        # (tests and tools lower the real programs with `lowered`); off by default: it costs a tree walk per call
+        self.record_programs = False
+        self._programs: dict[str, tuple[Callable, tuple, dict]] = {}
         self._planned_shapes: dict[str, set[tuple[int, int]]] = {}  # per pass: micro-batch shapes planned so far
         self._sampler = Sampler(self, self.model_dir)
 
@@ -87,6 +93,8 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
             attention_impl=config.attention_impl,
             moe_impl=config.moe_impl,
             shard_attention_heads=config.shard_attention_heads,
+            rules=config.logical_axis_rules,
+            platform=self.platform,
             **kw,
         )
 
@@ -109,9 +117,20 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
 
     def _run(self, name: str, fn: Callable, *args, **kwargs):
         self.metrics.calls[name] = self.metrics.calls.get(name, 0) + 1
+        if self.record_programs:
+            self._programs[name] = (fn, jax.tree.map(_abstract, args), kwargs)
         ctx = jax.disable_jit() if self.config.enforce_eager else contextlib.nullcontext()
         with ctx:
             return fn(*args, **kwargs)
+
+    def lowered(self, name: str) -> jax.stages.Lowered:
+        """The program `name` ("forward_backward", "optim_step", "sample_decode", ...) lowered for the
+        arguments of its last call (shapes and shardings only), once `record_programs` is set."""
+        if name not in self._programs:
+            raise KeyError(f"no recorded call of program {name!r} (set record_programs=True before calling it); "
+                           f"recorded: {', '.join(sorted(self._programs)) or 'none'}")
+        fn, args, kwargs = self._programs[name]
+        return fn.lower(*args, **kwargs)
 
     def _count_tokens(self, name: str, real: int, padded: int) -> None:
         """Tokens of the datums and of the padded device batch of one jit call (the padding overhead)."""
@@ -129,7 +148,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
 
     def debug_fail(self, message: str, process_ids: list[int], phase: str = "execute") -> None:
         """Fault injection for multi-host tests: raise `message` on the listed processes."""
-        if phase == "execute" and jax.process_index() in process_ids:
+        if phase == "execute" and ranks.launch_rank() in process_ids:
             raise RuntimeError(message)
 
     def unique_name(self) -> str:
@@ -239,7 +258,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         if not rows:
             return results
         if self.config.attention_impl == "cudnn" and any(r.segment_ids[0] != r.segment_ids[-1] for r in rows):
-            warn_cudnn_packed()  # those micro-batches run blockwise (decided on device)
+            warn_cudnn_packed(self.platform)  # those micro-batches run blockwise (decided on device)
         name = "forward_backward" if with_grad else "forward"
         graphdef, lora, frozen = self._split_trainable()
         extra_keys = losses.extra_input_keys()
@@ -388,6 +407,13 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
     @property
     def sampling_active(self) -> bool:
         return self._sampler.active
+
+
+def _abstract(x: Any) -> Any:
+    """An array's shape, dtype and sharding (what lowering needs); anything else as it is."""
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    return x
 
 
 def build_mesh(config: JaxBackendConfig) -> Mesh:

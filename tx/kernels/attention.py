@@ -10,6 +10,12 @@ padding query sees only padding keys (itself at least), so every row has a key a
 output is finite garbage that callers ignore. `impl` names a kernel in `SELF_ATTENTION_IMPLS`; "auto"
 picks one by platform (`AUTO_IMPL`).
 
+The platform is explicit (`tx.kernels.platform`: "cpu", "cuda", "rocm" or "tpu"), never read from
+`jax.default_backend()` while tracing: the model resolves it once when built (its mesh's devices) and passes
+it down in `SelfAttentionMask.platform` (static), so a program built for "tpu" lowers the splash kernel
+(compiled, a Mosaic custom call) also when exported from a CPU host, and one built for "cuda" picks cuDNN.
+The kernel functions' `platform=None` (JAX's first device) is for direct callers that build no model.
+
 No silent fallbacks: "auto" quietly runs whatever fits, but an explicit `attention_impl='cudnn'` that cannot
 run logs once per reason (`tx.log.warn_once`) `attention_impl='cudnn' cannot run <reason>; running
 'blockwise' instead` -- off GPU and float32 inputs here, at trace time; packed rows (several segment ids in a
@@ -27,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from tx.kernels.flash import blockwise_attention
+from tx.kernels.platform import normalise, resolve
 from tx.kernels.splash import splash_attention
 from tx.log import warn_once
 
@@ -81,8 +88,9 @@ def reference_self_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, scale: floa
     return attention(q_bthd, k_btkd, v_btkd, visibility_mask(segment_ids_bt), scale)
 
 
-def _on_gpu() -> bool:
-    return jax.default_backend() in ("gpu", "cuda")
+def _on_gpu(platform: str) -> bool:
+    """Whether cuDNN can run on `platform` (normalised)."""
+    return platform == "cuda"
 
 
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -103,10 +111,11 @@ def _cudnn_takes(segment_ids_bt: jax.Array) -> jax.Array:
     return right_padded & one_segment
 
 
-def warn_cudnn_packed() -> None:
-    """For a backend whose batch holds packed rows while attention_impl='cudnn' was asked for: on GPU those
-    batches run blockwise (off GPU every batch does, already said at trace time)."""
-    if _on_gpu():
+def warn_cudnn_packed(platform: str) -> None:
+    """For a backend (its programs built for `platform`) whose batch holds packed rows while
+    attention_impl='cudnn' was asked for: on GPU those batches run blockwise (off GPU every batch does,
+    already said at trace time)."""
+    if _on_gpu(normalise(platform)):
         _cudnn_fallback("packed", "a batch with packed rows (several segment ids in a row, as SFT packs) (cuDNN takes one "
                                   "right-padded sequence per row)")
 
@@ -118,15 +127,18 @@ def _cudnn_attention(q_bthd, k_btkd, v_btkd, lengths_b: jax.Array, scale: float)
     )
 
 
-def cudnn_self_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, scale: float, *, asked: bool = True) -> jax.Array:
+def cudnn_self_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, scale: float, *, asked: bool = True,
+                         platform: str | None = None) -> jax.Array:
     """cuDNN flash attention where the mask is causal + right padding (the public `jax.nn` API takes
     sequence lengths, not segment ids); packed rows, other padding, or dtypes cuDNN does not take run the
-    blockwise kernel instead (decided per call at run time for the mask). `asked`: the user named 'cudnn'
-    (not "auto"): then each fallback is logged once, and a head size cuDNN never takes is refused."""
+    blockwise kernel instead (decided per call at run time for the mask), and so does every call off
+    "cuda" (`platform`, default JAX's first device's). `asked`: the user named 'cudnn' (not "auto"): then
+    each fallback is logged once, and a head size cuDNN never takes is refused."""
     d = q_bthd.shape[-1]
-    if not _on_gpu():
+    platform = resolve(platform)
+    if not _on_gpu(platform):
         if asked:
-            _cudnn_fallback(f"platform={jax.default_backend()}", f"on {jax.default_backend()} (cuDNN needs a GPU)")
+            _cudnn_fallback(f"platform={platform}", f"on {platform} (cuDNN needs a GPU)")
         return blockwise_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, scale)
     if d % 8 or d > 256:
         if asked:
@@ -157,42 +169,52 @@ SELF_ATTENTION_IMPLS: dict[str, SelfAttentionFn] = {
     "cudnn": cudnn_self_attention,
     "splash": splash_attention,
 }
-# What "auto" means on each platform (`jax.default_backend()`); anything else gets "blockwise".
-AUTO_IMPL = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}
+# What "auto" means on each (normalised) platform; anything else gets "blockwise".
+AUTO_IMPL = {"tpu": "splash", "cuda": "cudnn"}
 
 
 def resolve_attention_impl(name: str, platform: str | None = None) -> str:
-    """The kernel name `name` stands for on `platform` (default: JAX's default backend)."""
+    """The kernel name `name` stands for on `platform` (default: JAX's first device's; "gpu" = "cuda")."""
     if name == "auto":
-        return AUTO_IMPL.get(platform or jax.default_backend(), "blockwise")
+        return AUTO_IMPL.get(resolve(platform), "blockwise")
     if name not in SELF_ATTENTION_IMPLS:
         raise ValueError(f"attention_impl={name!r} is not one of auto, {', '.join(SELF_ATTENTION_IMPLS)}")
     return name
 
 
-def self_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, scale: float, impl: str = "auto") -> jax.Array:
-    """Causal segment-masked GQA self-attention [b, t, h, d] with the kernel `impl` (see module doc)."""
-    name = resolve_attention_impl(impl)
+def self_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, scale: float, impl: str = "auto",
+                   platform: str | None = None) -> jax.Array:
+    """Causal segment-masked GQA self-attention [b, t, h, d] with the kernel `impl` built for `platform`
+    (default: JAX's first device's; see module doc)."""
+    platform = resolve(platform)
+    name = resolve_attention_impl(impl, platform)
     if name == "cudnn":  # "auto" on GPU: cuDNN where it fits, blockwise elsewhere, without a word
-        return cudnn_self_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, scale, asked=impl == "cudnn")
+        return cudnn_self_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, scale, asked=impl == "cudnn",
+                                    platform=platform)
+    if name == "splash":
+        return splash_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, scale, platform=platform)
     return SELF_ATTENTION_IMPLS[name](q_bthd, k_btkd, v_btkd, segment_ids_bt, scale)
 
 
 @dataclasses.dataclass(frozen=True)
 class SelfAttentionMask:
-    """What a training/prefill layer needs to attend: the segment ids (a traced array) and the kernel name
-    (static). Decode passes a dense `[b, t, s]` bool mask over its cache instead."""
+    """What a training/prefill layer needs to attend: the segment ids (a traced array), the kernel name and
+    the platform the program is built for (both static). Decode passes a dense `[b, t, s]` bool mask over its
+    cache instead."""
 
     segment_ids_bt: jax.Array
     impl: str = "auto"  # as asked ("auto" stays "auto": `self_attention` resolves it and stays quiet)
+    platform: str | None = None  # normalised; None: JAX's first device's
 
 
-jax.tree_util.register_dataclass(SelfAttentionMask, data_fields=["segment_ids_bt"], meta_fields=["impl"])
+jax.tree_util.register_dataclass(SelfAttentionMask, data_fields=["segment_ids_bt"], meta_fields=["impl", "platform"])
 
 
 def self_attention_mask(
-    attention_mask_bt: jax.Array, segment_ids_bt: jax.Array | None = None, impl: str = "auto"
+    attention_mask_bt: jax.Array, segment_ids_bt: jax.Array | None = None, impl: str = "auto",
+    platform: str | None = None,
 ) -> SelfAttentionMask:
-    """The layers' mask, with the impl as asked ("auto" stays "auto")."""
-    resolve_attention_impl(impl)  # an unknown name fails here
-    return SelfAttentionMask(segment_ids_for_attention(attention_mask_bt, segment_ids_bt), impl)
+    """The layers' mask, with the impl as asked ("auto" stays "auto") and the program's platform."""
+    resolve_attention_impl(impl, platform)  # an unknown name fails here
+    return SelfAttentionMask(segment_ids_for_attention(attention_mask_bt, segment_ids_bt), impl,
+                             None if platform is None else normalise(platform))

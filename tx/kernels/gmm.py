@@ -16,7 +16,11 @@ Rows `x_mi` are sorted so that group g owns rows `[sum(sizes[:g]), sum(sizes[:g+
   never copied out (a `lax.scan` over the stacked weights copies each layer's slice: 3 x 400 MB per
   Qwen3-30B-A3B layer, measured 3.7x slower); the other kernels take the slice first.
 - `megablox`: the Pallas TPU kernel `jax.experimental.pallas.ops.tpu.megablox.gmm` (its own VJP with
-  `tgmm`); off TPU it runs in Pallas interpret mode (logged once), which is how the tests check it.
+  `tgmm`); compiled when the program is built for "tpu", elsewhere in Pallas interpret mode (logged once),
+  which is how the tests check it.
+
+"auto" picks by the platform the program is built for, passed in (`platform`, `tx.kernels.platform`; the MoE
+layer carries its model's): "blocked" on cpu, "megablox" on tpu, "ragged_dot" elsewhere (GPU).
 """
 
 from __future__ import annotations
@@ -27,19 +31,19 @@ import jax
 import jax.numpy as jnp
 
 from tx.kernels.interpret import default_interpret
+from tx.kernels.platform import resolve
 
 GMM_IMPLS = ("auto", "ragged_dot", "blocked", "megablox")
 _MEGABLOX_TILE = 128
 
 
 def resolve_impl(impl: str, platform: str | None = None) -> str:
-    """The kernel `impl` names on `platform` (default: the default backend's): auto picks by platform."""
+    """The kernel `impl` names on `platform` (default: JAX's first device's): auto picks by platform."""
     if impl not in GMM_IMPLS:
         raise ValueError(f"gmm impl {impl!r} is not one of {GMM_IMPLS}")
     if impl != "auto":
         return impl
-    platform = platform or jax.default_backend()
-    return {"cpu": "blocked", "tpu": "megablox"}.get(platform, "ragged_dot")
+    return {"cpu": "blocked", "tpu": "megablox"}.get(resolve(platform), "ragged_dot")
 
 
 def gmm(
@@ -51,9 +55,11 @@ def gmm(
     preferred_element_type=jnp.float32,
     min_tile: int = 16,
     layer: jax.Array | None = None,
+    platform: str | None = None,
 ) -> jax.Array:
     """`[m, o]` grouped product of sorted rows `x_mi` with per-group weights `w_gio` (`sizes_g` int32);
-    with `layer` (an int32 scalar), `w_gio` is a layer stack `[L, g, i, o]` and `w_gio[layer]` is used."""
+    with `layer` (an int32 scalar), `w_gio` is a layer stack `[L, g, i, o]` and `w_gio[layer]` is used.
+    `platform`: what the program is built for (default: JAX's first device's)."""
     w_lgio = w_gio if layer is not None else w_gio[None]
     if x_mi.ndim != 2 or w_lgio.ndim != 4 or x_mi.shape[1] != w_lgio.shape[2]:
         want = "[g, i, o]" if layer is None else "[L, g, i, o] (with layer)"
@@ -62,13 +68,14 @@ def gmm(
         raise ValueError(f"gmm sizes shape {sizes_g.shape} != (groups,) = ({w_lgio.shape[1]},)")
     sizes_g = sizes_g.astype(jnp.int32)
     layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
-    kind = resolve_impl(impl)
+    platform = resolve(platform)
+    kind = resolve_impl(impl, platform)
     if kind != "blocked":
         w_gio = jax.lax.dynamic_index_in_dim(w_lgio, layer, 0, keepdims=False)
     if kind == "ragged_dot":
         return jax.lax.ragged_dot(x_mi, w_gio, sizes_g, preferred_element_type=preferred_element_type)
     if kind == "megablox":
-        return _megablox(x_mi, w_gio, sizes_g, jnp.dtype(preferred_element_type))
+        return _megablox(x_mi, w_gio, sizes_g, jnp.dtype(preferred_element_type), platform)
     if min_tile < 1:
         raise ValueError(f"gmm min_tile={min_tile} must be >= 1")
     return _blocked(x_mi, w_lgio, sizes_g, layer, jnp.dtype(preferred_element_type), min_tile)
@@ -184,11 +191,18 @@ _blocked.defvjp(_blocked_fwd, _blocked_bwd)
 # ---- megablox (Pallas, TPU; interpret mode elsewhere) ------------------------------------------------
 
 
-def _megablox(x_mi, w_gio, sizes_g, out_dtype):
+def _megablox_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
+    """(tm, tk, tn) of one megablox call: 128 or the whole dimension, so each block dim Mosaic sees is a
+    multiple of 128 or whole. A function of the call's own (m, k, n), not a fixed tuple: the VJP calls gmm
+    again with the weight transposed (k and n swapped), where a tuple sized for the forward pass would
+    put `tk = min(128, i)` on a dimension of size `o` (the LoRA rank: refused by Mosaic)."""
+    return min(_MEGABLOX_TILE, m), min(_MEGABLOX_TILE, k), min(_MEGABLOX_TILE, n)
+
+
+def _megablox(x_mi, w_gio, sizes_g, out_dtype, platform: str):
     from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
 
-    m, i = x_mi.shape
-    o = w_gio.shape[2]
+    m = x_mi.shape[0]
     # m must be a multiple of the row tile: pad, give the padding (and any rows past sum(sizes)) to the
     # last group, and zero those rows' outputs (so their cotangents, and their dw terms, are zero).
     tm = min(_MEGABLOX_TILE, max(8, -(-m // 8) * 8))
@@ -196,8 +210,7 @@ def _megablox(x_mi, w_gio, sizes_g, out_dtype):
     total = jnp.sum(sizes_g)
     x_pad = jnp.pad(x_mi, ((0, m_pad - m), (0, 0)))
     sizes_pad = sizes_g.at[-1].add(m_pad - total)
-    tiling = (tm, min(_MEGABLOX_TILE, i), min(_MEGABLOX_TILE, o))
-    out = megablox_gmm(x_pad, w_gio, sizes_pad, out_dtype, tiling, None, None, False,
-                       default_interpret("moe_impl", "megablox"))
+    out = megablox_gmm(x_pad, w_gio, sizes_pad, out_dtype, _megablox_tiling, None, None, False,
+                       default_interpret("moe_impl", "megablox", platform))
     rows = jnp.arange(m, dtype=jnp.int32)
     return jnp.where((rows < total)[:, None], out[:m], 0).astype(out_dtype)

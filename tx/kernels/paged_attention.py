@@ -19,7 +19,8 @@ K/V is written before it attends). Kernels (`PAGED_ATTENTION_IMPLS`):
   same tokens alone or in any batch.
 - "pallas": the same online softmax as a Pallas ragged paged attention kernel (tx/kernels/paged_pallas.py):
   grid (row, kv head group, KV block) over scalar-prefetched page tables, so each step copies one block of
-  one row's pages, and a row stops at its own last block. For TPU; interpret mode elsewhere (CPU tests).
+  one row's pages, and a row stops at its own last block. For TPU: compiled when the program is built for
+  "tpu" (`platform`, the model's; `tx.kernels.platform`), interpret mode elsewhere (CPU tests).
 Reads gather `pool[layer, pages]` in one indexing step: never slice `pool[layer]` first (a copy of the
 layer).
 """
@@ -157,10 +158,14 @@ PAGED_ATTENTION_IMPLS: dict[str, PagedAttentionFn] = {
 
 
 def paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale: float, impl: str = "blocked",
-                    kv_block: int = 128) -> jax.Array:
-    """Causal GQA attention `[b, t, h, d]` of queries at positions `q_pos_bt` over their sequences' pages."""
+                    kv_block: int = 128, platform: str | None = None) -> jax.Array:
+    """Causal GQA attention `[b, t, h, d]` of queries at positions `q_pos_bt` over their sequences' pages,
+    in a program built for `platform` (default: JAX's first device's)."""
     if impl not in PAGED_ATTENTION_IMPLS:
         raise ValueError(f"paged_attention_impl={impl!r} is not one of {', '.join(PAGED_ATTENTION_IMPLS)}")
+    if impl == "pallas":
+        return pallas_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale, kv_block,
+                                      platform=platform)
     return PAGED_ATTENTION_IMPLS[impl](q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale, kv_block)
 
 
@@ -168,7 +173,8 @@ def paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale: fl
 class PagedKV:
     """What a layer needs to write and read the paged cache: one stack's pools, the layer's index in it,
     the sequences' page tables and the positions of this call's tokens (`valid_bt` False: padding, written
-    to the trash page). `impl` and `kv_block` are static."""
+    to the trash page). `impl`, `kv_block` and `platform` (the program's; None: JAX's first device's) are
+    static."""
 
     k_pool: jax.Array
     v_pool: jax.Array
@@ -178,17 +184,26 @@ class PagedKV:
     valid_bt: jax.Array
     impl: str = "blocked"
     kv_block: int = 128
+    platform: str | None = None
+
+    def write(self, k_btkd: jax.Array, v_btkd: jax.Array) -> PagedKV:
+        """This cache with this call's keys/values `[b, t, kv, d]` written into its pools (each token at its
+        page slot, padding into the trash page)."""
+        page_bt, offset_bt = token_slots(self.table_bw, self.pos_bt, self.k_pool.shape[2], self.valid_bt)
+        return dataclasses.replace(self, k_pool=write_kv_pages(self.k_pool, self.layer, k_btkd, page_bt, offset_bt),
+                                   v_pool=write_kv_pages(self.v_pool, self.layer, v_btkd, page_bt, offset_bt))
+
+    def read(self, q_bthd: jax.Array, scale: float) -> jax.Array:
+        """The queries' attention `[b, t, h, d]` over the pools as they are (write first)."""
+        return paged_attention(q_bthd, self.k_pool, self.v_pool, self.layer, self.table_bw, self.pos_bt, scale,
+                               self.impl, self.kv_block, self.platform)
 
     def attend(self, q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array,
                scale: float) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """Write this call's keys/values, then attend: (output `[b, t, h, d]`, updated pools)."""
-        page_bt, offset_bt = token_slots(self.table_bw, self.pos_bt, self.k_pool.shape[2], self.valid_bt)
-        k_pool = write_kv_pages(self.k_pool, self.layer, k_btkd, page_bt, offset_bt)
-        v_pool = write_kv_pages(self.v_pool, self.layer, v_btkd, page_bt, offset_bt)
-        out = paged_attention(q_bthd, k_pool, v_pool, self.layer, self.table_bw, self.pos_bt, scale, self.impl,
-                              self.kv_block)
-        return out, (k_pool, v_pool)
+        cache = self.write(k_btkd, v_btkd)
+        return cache.read(q_bthd, scale), (cache.k_pool, cache.v_pool)
 
 
 jax.tree_util.register_dataclass(PagedKV, data_fields=["k_pool", "v_pool", "layer", "table_bw", "pos_bt", "valid_bt"],
-                                 meta_fields=["impl", "kv_block"])
+                                 meta_fields=["impl", "kv_block", "platform"])

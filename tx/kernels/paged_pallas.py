@@ -21,10 +21,11 @@ past a query leaves that query's state bit-identical (its probabilities are exac
 exactly 1). The output block (constant over the reduction axis) is written once, at the last step.
 A row's output depends only on its own inputs, never on the batch or the table width.
 
-`interpret` defaults to True off TPU (as splash.py and gmm.py's megablox): the CPU tests run the same
-kernel in Pallas interpret mode. The grid spec is `pltpu.PrefetchScalarGridSpec`, so on GPU it also runs
-interpreted (correct, slow); the XLA "blocked" kernel is the GPU choice. The tests export the compiled
-kernel for TPU from CPU (it passes Pallas's Mosaic lowering); it has not yet been compiled or timed on a TPU.
+The kernel is compiled when the program is built for "tpu" (`platform`, passed in; the model's) and runs
+in Pallas interpret mode elsewhere (as splash.py and gmm.py's megablox): the CPU tests run the same kernel
+interpreted. The grid spec is `pltpu.PrefetchScalarGridSpec`, so on GPU it also runs interpreted (correct,
+slow); the XLA "blocked" kernel is the GPU choice. The tests export the compiled kernel for TPU from CPU (it
+passes Pallas's Mosaic lowering); it has not yet been compiled or timed on a TPU.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from tx.kernels.attention import _MASKED
 from tx.kernels.interpret import default_interpret
+from tx.kernels.platform import resolve
 
 _PADDING_PAGE = 0  # the trash page (paged_attention.TRASH_PAGE): pads the table to whole blocks
 
@@ -82,11 +84,12 @@ def _kernel(layer_ref, table_ref, last_ref, pos_ref, q_ref, *refs, ppb: int, pag
 
 
 def pallas_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale: float, kv_block: int = 128,
-                           *, kv_heads_per_step: int | None = None, interpret: bool | None = None) -> jax.Array:
+                           *, kv_heads_per_step: int | None = None, platform: str | None = None,
+                           interpret: bool | None = None) -> jax.Array:
     """Causal GQA attention `[b, t, h, d]` over the rows' pages, KV blocks of `kv_block` tokens (a multiple
     of the page size). `kv_heads_per_step` (default: every kv head, a whole page per copy) divides
-    kv_heads; compiled for TPU it is all of them or a multiple of 8. `interpret` defaults to True off TPU
-    (logged once)."""
+    kv_heads; compiled for TPU it is all of them or a multiple of 8. `interpret` defaults to True unless
+    `platform` (default: JAX's first device's) is "tpu" (logged once)."""
     b, t, h, d = q_bthd.shape
     _, _, page, kv, _ = k_pool.shape
     if kv_block % page:
@@ -97,7 +100,7 @@ def pallas_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, sc
     if hk < 1 or kv % hk:
         raise ValueError(f"kv_heads_per_step={kv_heads_per_step} must divide num kv heads {kv}")
     if interpret is None:
-        interpret = default_interpret("paged_attention_impl", "pallas")
+        interpret = default_interpret("paged_attention_impl", "pallas", resolve(platform))
     if not interpret and hk != kv and hk % 8:  # Mosaic: a block's second-minor dim is whole or a multiple of 8
         raise ValueError(f"kv_heads_per_step={kv_heads_per_step} must be num kv heads {kv} or a multiple of 8 "
                          "when compiled for TPU")

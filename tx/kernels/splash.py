@@ -3,8 +3,8 @@
 Same visibility rule as `tx.kernels.flash` (j <= i and seg[i] == seg[j], padding = -1). Each kv head and
 its group of query heads is one MQA splash call (k/v are never repeated), vmapped over batch and kv
 heads. The kernel wants lengths that are a multiple of its 128-lane blocks, so the sequence is padded
-with segment -1 at the end (invisible to real queries by causality). `interpret=True` runs the same
-kernel in Pallas interpret mode (CPU tests); the default off TPU, logged once.
+with segment -1 at the end (invisible to real queries by causality). The kernel is compiled when `platform`
+is "tpu"; elsewhere it runs in Pallas interpret mode (the CPU tests; logged once, `tx.kernels.interpret`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
 from tx.kernels.interpret import default_interpret
+from tx.kernels.platform import resolve
 
 _LANES = 128  # splash's kv compute block must be a multiple of the TPU lane count
 DEFAULT_BLOCK = 512
@@ -29,7 +31,11 @@ def _kernel(t: int, group: int, block: int, interpret: bool):
         block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
         block_q_dq=block, block_kv_dq=block,
     )
-    return splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
+    # Cached across traces: its mask arrays must be concrete (built eagerly, even when first asked for while
+    # tracing, else the cache would keep the first trace's tracers) and host-side (numpy constants).
+    with jax.ensure_compile_time_eval():
+        kernel = splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
+    return jax.tree.map(np.asarray, kernel)
 
 
 def splash_attention(
@@ -40,9 +46,11 @@ def splash_attention(
     scale: float,
     *,
     block: int = DEFAULT_BLOCK,
+    platform: str | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
-    """[b, t, h, d] attention output. `interpret` defaults to True off TPU (logged once)."""
+    """[b, t, h, d] attention output for `platform` (default: JAX's first device's). `interpret` defaults
+    to True unless `platform` is "tpu" (logged once)."""
     b, t, h, d = q_bthd.shape
     kv = k_btkd.shape[2]
     if h % kv:
@@ -50,7 +58,7 @@ def splash_attention(
     if block < _LANES or block % _LANES:
         raise ValueError(f"block={block} must be a positive multiple of {_LANES}")
     if interpret is None:
-        interpret = default_interpret("attention_impl", "splash")
+        interpret = default_interpret("attention_impl", "splash", resolve(platform))
     padded = -(-t // _LANES) * _LANES
     block = min(block, padded)
     padded = -(-padded // block) * block

@@ -24,11 +24,13 @@ from flax import nnx
 from jax.sharding import Mesh
 from tqdm import tqdm
 
+from tx.kernels.platform import platform_of
 from tx.models.config import LoraSlots, ModelConfig
 from tx.models.layers.lora import LoraA, LoraB, LoraScale
 from tx.models.registry import model_class
 from tx.models.safetensors_io import SafetensorsDir
-from tx.models.sharding import make_mesh, param_sharding
+from tx.models.logical import DEFAULT_RULES, NO_SHARDING, LogicalSharding, Rules
+from tx.models.sharding import logical_sharding, make_mesh, param_sharding
 
 logger = logging.getLogger(__name__)
 
@@ -228,12 +230,14 @@ def build_abstract(
     attention_impl: str = "auto",
     moe_impl: str = "auto",
     experts_whole: bool = True,
+    platform: str | None = None,
+    sharding: LogicalSharding = NO_SHARDING,
 ) -> nnx.Module:
     cls = model_class(cfg.architecture)
     return nnx.eval_shape(
         lambda: cls(
             cfg, slots, dtype=dtype, remat_policy=remat_policy, attention_impl=attention_impl, moe_impl=moe_impl,
-            experts_whole=experts_whole, rngs=nnx.Rngs(0),
+            experts_whole=experts_whole, platform=platform, sharding=sharding, rngs=nnx.Rngs(0),
         )
     )
 
@@ -249,15 +253,22 @@ def load_model(
     moe_impl: str = "auto",
     shard_attention_heads: bool = True,
     experts_whole: bool = True,
+    platform: str | None = None,
+    rules: Rules = DEFAULT_RULES,
 ) -> nnx.Module:
     """Load an HF Qwen3 / Qwen3-MoE checkpoint onto `mesh` (default: one device) with empty LoRA slots.
-    `experts_whole=False`: MoE expert kernels are scanned per layer (full fine-tuning trains them)."""
+    `experts_whole=False`: MoE expert kernels are scanned per layer (full fine-tuning trains them).
+    `platform`: what the model's programs are built for (default: the mesh's devices'; another one only to
+    lower them, e.g. for "tpu" from a CPU host with `jax.export`). `rules`: the logical-axis rules table
+    (`tx.models.logical`) that places the weights and that the model's activation constraints follow."""
     model_dir = resolve_model_dir(name_or_path)
     cfg = ModelConfig.from_dir(model_dir)
     slots = slots or LoraSlots()
     mesh = mesh or make_mesh(devices=jax.devices()[:1])
+    layout = logical_sharding(mesh, cfg, shard_attention_heads, rules)
     abstract = build_abstract(cfg, slots, dtype=dtype, remat_policy=remat_policy, attention_impl=attention_impl,
-                              moe_impl=moe_impl, experts_whole=experts_whole)
+                              moe_impl=moe_impl, experts_whole=experts_whole,
+                              platform=platform_of(mesh) if platform is None else platform, sharding=layout)
     graphdef, state = nnx.split(abstract)
     files = SafetensorsDir(model_dir)
     loaded = {}
@@ -266,7 +277,7 @@ def load_model(
     for path, var in tqdm(flat, desc=f"loading {model_dir.name}", unit="param", disable=None, leave=False):
         names = tuple(str(p) for p in path)
         want = var.get_value()
-        sharding = param_sharding(names, want.shape, mesh, cfg, shard_attention_heads)
+        sharding = param_sharding(names, want.shape, mesh, cfg, shard_attention_heads, rules)
         if isinstance(var, (LoraA, LoraB, LoraScale)):
             value = jax.make_array_from_callback(
                 want.shape, sharding, lambda idx, shp=want.shape, dt=want.dtype: np.zeros(

@@ -18,6 +18,7 @@ from flax import nnx
 from tx.kernels.attention import resolve_attention_impl, self_attention_mask
 from tx.kernels.lora import add_lora_head_delta
 from tx.kernels.paged_attention import PagedKV
+from tx.kernels.platform import normalise, platform_of
 from tx.models.config import LoraSlots, ModelConfig
 from tx.models.layers.attention import Attention
 from tx.models.layers.lora import ValueHead, lora_variables
@@ -25,6 +26,7 @@ from tx.models.layers.mlp import MLP
 from tx.models.layers.moe import SparseMoE
 from tx.models.layers.norm import RMSNorm
 from tx.models.layers.rope import rope_cos_sin
+from tx.models.logical import NO_SHARDING, LogicalSharding
 from tx.models.logprobs import chunked_target_logprobs
 from tx.models.registry import register
 
@@ -50,20 +52,25 @@ def remat_policy(name: str):
 
 class DecoderLayer(nnx.Module):
     def __init__(
-        self, cfg: ModelConfig, *, moe: bool, stack: tuple[int, ...], dtype, slots: LoraSlots, moe_impl: str, rngs
+        self, cfg: ModelConfig, *, moe: bool, stack: tuple[int, ...], dtype, slots: LoraSlots, moe_impl: str,
+        platform: str, rngs, shard: LogicalSharding = NO_SHARDING,
     ):
-        kw = dict(num_adapters=slots.max_lora_adapters, rank=slots.max_lora_rank, stack=stack, dtype=dtype, rngs=rngs)
+        self.shard = shard
+        kw = dict(num_adapters=slots.max_lora_adapters, rank=slots.max_lora_rank, stack=stack, dtype=dtype, rngs=rngs,
+                  shard=shard)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack, dtype=dtype)
         self.self_attn = Attention(cfg, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack, dtype=dtype)
-        self.mlp = SparseMoE(cfg, moe_impl=moe_impl, **kw) if moe else MLP(cfg.hidden_size, cfg.intermediate_size, **kw)
+        self.mlp = (SparseMoE(cfg, moe_impl=moe_impl, platform=platform, **kw) if moe
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, **kw))
 
     def __call__(self, x_btd, cos_sin, mask_bts, adapter_b: jax.Array | None, cache=None, layer=None):
+        x_btd = self.shard.constrain(x_btd, ("batch", "length", "embed"))  # the block boundary
         attn_btd, kv = self.self_attn(self.input_layernorm(x_btd), cos_sin, mask_bts, adapter_b, cache)
         x_btd = x_btd + attn_btd
         mlp_in_btd = self.post_attention_layernorm(x_btd)
         mlp_btd = self.mlp(mlp_in_btd, adapter_b) if layer is None else self.mlp(mlp_in_btd, adapter_b, layer)
-        return x_btd + mlp_btd, kv
+        return self.shard.constrain(x_btd + mlp_btd, ("batch", "length", "embed")), kv
 
 
 def _is_expert_kernel(path, _value) -> bool:
@@ -146,7 +153,9 @@ class Embedding(nnx.Module):
 class LMHead(nnx.Module):
     """Unembedding `h W` (W = embedding^T when tied) plus a per-adapter LoRA delta."""
 
-    def __init__(self, d: int, vocab: int, *, tied: bool, dtype, slots: LoraSlots, rngs: nnx.Rngs):
+    def __init__(self, d: int, vocab: int, *, tied: bool, dtype, slots: LoraSlots, rngs: nnx.Rngs,
+                 shard: LogicalSharding = NO_SHARDING):
+        self.shard = shard
         self.kernel = None if tied else nnx.Param(_init(rngs.params(), (d, vocab), dtype))
         self.lora_a, self.lora_b, self.lora_scale = lora_variables(
             (), slots.max_lora_adapters, slots.max_lora_rank, d, vocab
@@ -156,10 +165,13 @@ class LMHead(nnx.Module):
     def __call__(self, h_btd: jax.Array, embedding_vd: jax.Array, adapter_b: jax.Array | None) -> jax.Array:
         """float32 logits [b, t, vocab]."""
         w_dv = embedding_vd.T if self.kernel is None else self.kernel[...]
+        w_dv = self.shard.gathered(w_dv, ("embed", "vocab"))
         logits_btv = jnp.dot(h_btd, w_dv, preferred_element_type=jnp.float32)
+        logits_btv = self.shard.constrain(logits_btv, ("batch", "length", "vocab"))
         if adapter_b is not None:
             logits_btv = add_lora_head_delta(  # in place, vocab block by block: no per-row B
-                logits_btv, h_btd, adapter_b, self.lora_a[...], self.lora_b[...], self.lora_scale[...]
+                logits_btv, h_btd, adapter_b, self.shard.gathered(self.lora_a[...], ("adapter", "embed", "rank")),
+                self.shard.gathered(self.lora_b[...], ("adapter", "rank", "vocab")), self.lora_scale[...]
             )
         return logits_btv
 
@@ -184,27 +196,36 @@ class Qwen3ForCausalLM(nnx.Module):
         attention_impl: str = "auto",
         moe_impl: str = "auto",
         experts_whole: bool = True,
+        platform: str | None = None,
+        sharding: LogicalSharding = NO_SHARDING,
         rngs: nnx.Rngs,
     ):
-        """`experts_whole=False` scans MoE expert kernels per layer (for training them; see DecoderStack)."""
+        """`experts_whole=False` scans MoE expert kernels per layer (for training them; see DecoderStack).
+        `platform`: what the model's programs are built for ("cpu", "cuda", "tpu"; `tx.kernels.platform`),
+        which picks the "auto" kernels and whether Pallas TPU kernels are compiled; default JAX's first
+        device's, resolved here (loaders pass their mesh's). `sharding`: the logical-axis rules on the mesh
+        (`tx.models.logical`) that the layers' activation constraints follow (loaders pass theirs)."""
         dtype = jnp.dtype(dtype or cfg.dtype)
         self.config = cfg
         self.slots = slots
-        resolve_attention_impl(attention_impl)  # an unknown name fails here, not at the first call
+        self.layout = sharding  # the logical-axis rules on the mesh (also for the caches callers allocate)
+        self.platform = platform_of() if platform is None else normalise(platform)
+        resolve_attention_impl(attention_impl, self.platform)  # an unknown name fails here, not at the first call
         self.attention_impl = attention_impl
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.stacks = nnx.List(
             [
                 DecoderStack(
                     cfg, ids, moe=moe, remat_policy=remat_policy, experts_whole=experts_whole, dtype=dtype,
-                    slots=slots, moe_impl=moe_impl, rngs=rngs,
+                    slots=slots, moe_impl=moe_impl, platform=self.platform, rngs=rngs, shard=sharding,
                 )
                 for moe, ids in layer_groups(cfg)
             ]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = LMHead(
-            cfg.hidden_size, cfg.vocab_size, tied=cfg.tie_word_embeddings, dtype=dtype, slots=slots, rngs=rngs
+            cfg.hidden_size, cfg.vocab_size, tied=cfg.tie_word_embeddings, dtype=dtype, slots=slots, rngs=rngs,
+            shard=sharding,
         )
 
     def __call__(
@@ -219,7 +240,7 @@ class Qwen3ForCausalLM(nnx.Module):
         b, t = input_ids_bt.shape
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        mask = self_attention_mask(attention_mask_bt, segment_ids_bt, self.attention_impl)
+        mask = self_attention_mask(attention_mask_bt, segment_ids_bt, self.attention_impl, self.platform)
         hidden_btd, _ = self._layers(input_ids_bt, positions_bt, mask, adapter_indices_b, None, False)
         return hidden_btd
 
@@ -230,7 +251,7 @@ class Qwen3ForCausalLM(nnx.Module):
         `[L, b, t, kv, d]` (to be padded into a decode cache)."""
         b, t = input_ids_bt.shape
         positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        mask = self_attention_mask(attention_mask_bt, None, self.attention_impl)
+        mask = self_attention_mask(attention_mask_bt, None, self.attention_impl, self.platform)
         return self._layers(input_ids_bt, positions_bt, mask, adapter_indices_b, None, True)
 
     def decode_step(
@@ -264,7 +285,8 @@ class Qwen3ForCausalLM(nnx.Module):
         """Tokens at `positions_bt` of sequences whose KV pages are `table_bw` (a prefill chunk, or one
         decode token per row): each stack writes their keys/values into its page pools `[L, N, P, kv, d]`
         and attends over the sequences' pages. Returns final hidden states `[b, t, d]` and the pools."""
-        paged = [PagedKV(k, v, jnp.int32(0), table_bw, positions_bt, valid_bt, impl, kv_block) for k, v in pools]
+        paged = [PagedKV(k, v, jnp.int32(0), table_bw, positions_bt, valid_bt, impl, kv_block, self.platform)
+                 for k, v in pools]
         return self._layers(ids_bt, positions_bt, None, adapter_indices_b, paged, False)
 
     def _layers(self, ids_bt, positions_bt, mask_bts, adapter_b, decode, return_kv):

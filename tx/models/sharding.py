@@ -1,24 +1,25 @@
-"""The one sharding table: a `PartitionSpec` over the mesh axes ("fsdp", "ep", "tp") for every parameter.
+"""Parameter sharding and the mesh: each parameter's logical axes (`tx.models.logical`), and mesh sizing.
 
-Rules, per layer (a scanned stack adds a leading unsharded layer axis):
-- every linear is listed once in `LINEAR_AXES` as (in-features axis, out-features axis): Megatron-style
-  column-parallel then row-parallel over "tp", and the other dimension over "fsdp" (ZeRO-3 via GSPMD);
-- its LoRA factors follow it: `lora_a [A, in, R]` shards `in` like the kernel, `lora_b [A, R, out]` shards
-  `out` like the kernel, the adapter and rank axes are never sharded; `lora_scale [A]` is replicated;
-- MoE experts (`[E, ...]`) put the expert axis on "ep";
-- the batch is sharded over "fsdp" (`batch_spec`).
+Logical axes of every parameter, per layer (a scanned stack adds a leading "layers" axis):
+- every linear is listed once in `LINEAR_AXES` as (in-features axis, out-features axis): with the default
+  rules Megatron-style column-parallel then row-parallel over "tp" ("heads", "kv_heads", "mlp", "vocab"),
+  and the model width ("embed") over "fsdp" (ZeRO-3 via GSPMD);
+- its LoRA factors follow it: `lora_a [A, in, R]` names `in` like the kernel, `lora_b [A, R, out]` names
+  `out` like the kernel, the adapter and rank axes are "adapter" and "rank"; `lora_scale [A]` is "adapter";
+- MoE experts (`[E, ...]`) add a leading "expert" axis (default: "ep");
+- the batch is "batch" (`batch_spec`: "fsdp").
 
-The mesh's sizes come from `resolve_mesh_shape` (one size may be -1: the devices the others leave), which
-every caller that sizes a mesh uses (the backends through `JaxBackendConfig.mesh_shape`, the SFT trainer).
+The rules table that turns names into mesh axes is `JaxBackendConfig.logical_axis_rules` (default
+`tx.models.logical.DEFAULT_RULES`). The mesh's sizes come from `resolve_mesh_shape` (one size may be -1:
+the devices the others leave), which every caller that sizes a mesh uses.
 
-Fallbacks (logged once per parameter): attention heads are replicated over "tp" unless both
-num_attention_heads and num_key_value_heads divide by the tp size (or `shard_attention_heads=False`);
-any other dimension that does not divide by its mesh axes is replicated along them.
+Fallbacks (logged once): attention heads are replicated unless both num_attention_heads and
+num_key_value_heads divide their mesh axis (or `shard_attention_heads=False`); any other dimension that
+does not divide by its mesh axis is replicated along it.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import Counter
 from collections.abc import Mapping
@@ -30,28 +31,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tx.models.config import ModelConfig
+from tx.models.logical import DEFAULT_RULES, LINEAR_AXES, MESH_AXES, LogicalSharding, Rules
 
-logger = logging.getLogger(__name__)
-
-MESH_AXES = ("fsdp", "ep", "tp")
-HEADS = "heads"  # logical axis: "tp" when the head counts divide, else replicated
-
-# module name -> (in-features axis, out-features axis)
-LINEAR_AXES: dict[str, tuple[str | None, str | None]] = {
-    "q_proj": ("fsdp", HEADS),
-    "k_proj": ("fsdp", HEADS),
-    "v_proj": ("fsdp", HEADS),
-    "o_proj": (HEADS, "fsdp"),
-    "gate_proj": ("fsdp", "tp"),
-    "up_proj": ("fsdp", "tp"),
-    "down_proj": ("tp", "fsdp"),
-    "lm_head": ("fsdp", "tp"),
-}
-# (module, variable) -> spec, for everything that is not a LoRA-carrying linear
-OTHER_SPECS: dict[tuple[str, str], tuple[str | None, ...]] = {
-    ("embed_tokens", "embedding"): ("tp", "fsdp"),  # [vocab, d]
-    ("gate", "kernel"): (None, None),  # MoE router [d, experts], small and read by every token
-    ("lm_head", "value_head"): (None, None, None),  # [A, d, 1]: tiny, replicated
+# (module, variable) -> logical axes, for everything that is not a LoRA-carrying linear
+OTHER_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
+    ("embed_tokens", "embedding"): ("vocab", "embed"),
+    ("gate", "kernel"): (None, None),  # MoE router [d, experts], small and read by every token: replicated
+    ("lm_head", "value_head"): ("adapter", None, None),  # [A, d, 1]: tiny
 }
 
 
@@ -137,50 +123,44 @@ def batch_spec(ndim: int) -> P:
     return P("fsdp", *([None] * (ndim - 1)))
 
 
-def _logical_spec(path: tuple[str, ...]) -> tuple[str | None, ...]:
-    """Spec of one layer's variable, before resolving logical axes, from its nnx path."""
+def logical_axes(path: tuple[str, ...]) -> tuple[str | None, ...]:
+    """Logical axes of one layer's variable (without the leading "layers" axis), from its nnx path."""
     module, leaf = path[-2], path[-1]
     if module in LINEAR_AXES and leaf in ("kernel", "lora_a", "lora_b", "lora_scale"):
         i, o = LINEAR_AXES[module]
-        spec = {"kernel": (i, o), "lora_a": (None, i, None), "lora_b": (None, None, o), "lora_scale": (None,)}[leaf]
+        axes = {"kernel": (i, o), "lora_a": ("adapter", i, "rank"), "lora_b": ("adapter", "rank", o),
+                "lora_scale": ("adapter",)}[leaf]
         if "experts" in path and leaf != "lora_scale":
-            spec = ("ep", *spec)
-        return spec
-    if (module, leaf) in OTHER_SPECS:
-        return OTHER_SPECS[(module, leaf)]
+            axes = ("expert", *axes)
+        return axes
+    if (module, leaf) in OTHER_AXES:
+        return OTHER_AXES[(module, leaf)]
     if leaf == "weight":  # RMSNorm scales
         return (None,)
     raise KeyError(f"no sharding rule for parameter {'.'.join(path)}")
 
 
+def logical_sharding(mesh: Mesh | None, cfg: ModelConfig, shard_attention_heads: bool = True,
+                     rules: Rules = DEFAULT_RULES) -> LogicalSharding:
+    """The rules table bound to `mesh` for the model of `cfg` (its head counts decide head splitting)."""
+    return LogicalSharding(mesh, tuple(rules), (cfg.num_attention_heads, cfg.num_key_value_heads),
+                           shard_attention_heads)
+
+
 def param_spec(
-    path: tuple[Any, ...], shape: tuple[int, ...], mesh: Mesh, cfg: ModelConfig, shard_attention_heads: bool = True
+    path: tuple[Any, ...], shape: tuple[int, ...], mesh: Mesh, cfg: ModelConfig, shard_attention_heads: bool = True,
+    rules: Rules = DEFAULT_RULES,
 ) -> P:
     """The `PartitionSpec` of the variable at nnx `path` with global `shape` on `mesh`."""
     names = tuple(str(p) for p in path)
-    spec = _logical_spec(names)
-    tp = mesh.shape["tp"]
-    heads_axis = (
-        "tp"
-        if shard_attention_heads and cfg.num_attention_heads % tp == 0 and cfg.num_key_value_heads % tp == 0
-        else None
-    )
-    spec = tuple(heads_axis if s == HEADS else s for s in spec)
-    spec = (None,) * (len(shape) - len(spec)) + spec  # leading stacked-layer axis
-    resolved = []
-    for dim, axis in zip(shape, spec):
-        if axis is not None and dim % mesh.shape[axis]:
-            logger.warning(
-                "replicating dim of size %d of %s: not divisible by mesh axis %s=%d",
-                dim, ".".join(names), axis, mesh.shape[axis],
-            )
-            axis = None
-        resolved.append(axis)
-    return P(*resolved)
+    axes = logical_axes(names)
+    axes = ("layers",) * (len(shape) - len(axes)) + axes  # leading stacked-layer axis
+    return logical_sharding(mesh, cfg, shard_attention_heads, rules).spec(axes, shape, ".".join(names))
 
 
-def param_sharding(path, shape, mesh: Mesh, cfg: ModelConfig, shard_attention_heads: bool = True) -> NamedSharding:
-    return NamedSharding(mesh, param_spec(path, shape, mesh, cfg, shard_attention_heads))
+def param_sharding(path, shape, mesh: Mesh, cfg: ModelConfig, shard_attention_heads: bool = True,
+                   rules: Rules = DEFAULT_RULES) -> NamedSharding:
+    return NamedSharding(mesh, param_spec(path, shape, mesh, cfg, shard_attention_heads, rules))
 
 
 def put_global(array: np.ndarray, sharding: NamedSharding) -> jax.Array:

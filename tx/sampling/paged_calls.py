@@ -51,15 +51,17 @@ class PagedDevice:
     def _pools(self) -> list:
         if self.pools is None:
             import jax.numpy as jnp
-            from jax.sharding import NamedSharding, PartitionSpec as P
+            from jax.sharding import NamedSharding
 
             from tx.models.sharding import put_global
 
             model = self.backend.model
             cfg, dtype = model.config, model.embed_tokens.embedding[...].dtype
-            replicated = NamedSharding(self.backend.mesh, P())
             shape = lambda n: (n, self.num_pages, self.page, cfg.num_key_value_heads, cfg.head_dim)  # noqa: E731
-            self.pools = [tuple(put_global(np.zeros(shape(len(s.layer_ids)), jnp.dtype(dtype)), replicated)
+            # kv heads split like the attention's keys/values (tp); every page on every fsdp device
+            axes = ("layers", None, None, "kv_heads", "head_dim")
+            layout = lambda n: NamedSharding(self.backend.mesh, model.layout.spec(axes, shape(n)))  # noqa: E731
+            self.pools = [tuple(put_global(np.zeros(shape(len(s.layer_ids)), jnp.dtype(dtype)), layout(len(s.layer_ids)))
                                 for _ in range(2)) for s in model.stacks]
         return self.pools
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tx.kernels.lora import lora_delta_rows
+from tx.models.logical import LINEAR_AXES, NO_SHARDING, LogicalSharding
 
 ADAPTER_AXIS = -3
 _init = nnx.initializers.normal(0.02)
@@ -60,13 +61,25 @@ class LoRALinear(nnx.Module):
         stack: tuple[int, ...] = (),
         dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
+        name: str | None = None,
+        shard: LogicalSharding = NO_SHARDING,
     ):
+        """`name`: the module's key in `LINEAR_AXES` (its logical in/out axes), with `shard` the layout its
+        weights are gathered to before the matmul (no constraint without a name)."""
         self.kernel = nnx.Param(_init(rngs.params(), (*stack, in_f, out_f), dtype))
         self.lora_a, self.lora_b, self.lora_scale = lora_variables(stack, num_adapters, rank, in_f, out_f)
+        self.axes = LINEAR_AXES[name] if name is not None else None
+        self.shard = shard
 
     def __call__(self, x_bti: jax.Array, adapter_b: jax.Array | None) -> jax.Array:
         """`adapter_b` [b] picks each row's adapter; None computes the base layer only."""
-        y_bto = jnp.dot(x_bti, self.kernel[...], preferred_element_type=jnp.float32)
+        kernel_io, lora_a_air, lora_b_aro = self.kernel[...], self.lora_a[...], self.lora_b[...]
+        if self.axes is not None:
+            i, o = self.axes
+            kernel_io = self.shard.gathered(kernel_io, (i, o))
+            lora_a_air = self.shard.gathered(lora_a_air, ("adapter", i, "rank"))
+            lora_b_aro = self.shard.gathered(lora_b_aro, ("adapter", "rank", o))
+        y_bto = jnp.dot(x_bti, kernel_io, preferred_element_type=jnp.float32)
         if adapter_b is not None:
-            y_bto = y_bto + lora_delta_rows(x_bti, adapter_b, self.lora_a[...], self.lora_b[...], self.lora_scale[...])
+            y_bto = y_bto + lora_delta_rows(x_bti, adapter_b, lora_a_air, lora_b_aro, self.lora_scale[...])
         return y_bto.astype(x_bti.dtype)

@@ -19,15 +19,17 @@ from flax import nnx
 
 from tx.kernels.gmm import gmm, resolve_impl
 from tx.kernels.lora import make_routing
+from tx.kernels.platform import normalise, platform_of
 from tx.models.config import ModelConfig
 from tx.models.layers.lora import lora_variables
+from tx.models.logical import LINEAR_AXES, NO_SHARDING, LogicalSharding
 
 _init = nnx.initializers.normal(0.02)
 
 
 class ExpertRows(NamedTuple):
     """Rows sorted by (expert, present adapter): group sizes at both granularities, the present slots, each
-    row's adapter slot (its LoRA scale index), and the grouped-matmul kernel."""
+    row's adapter slot (its LoRA scale index), and the grouped-matmul kernel and the platform it is built for."""
 
     expert_sizes_e: jax.Array  # int32 [E]
     lora_sizes_g: jax.Array  # int32 [E * P]
@@ -35,6 +37,7 @@ class ExpertRows(NamedTuple):
     adapter_r: jax.Array  # int32 [rows], sorted order
     impl: str
     layer: jax.Array | None  # int32 scalar: the layer of a scanned stack whose expert kernels are `[L, E, ...]`
+    platform: str  # normalised (`tx.kernels.platform`): picks "auto" and compiles or interprets megablox
 
 
 def present_slots(adapter_b: jax.Array, num_adapters: int) -> tuple[jax.Array, jax.Array]:
@@ -45,6 +48,29 @@ def present_slots(adapter_b: jax.Array, num_adapters: int) -> tuple[jax.Array, j
     (slots_p,) = jnp.nonzero(present_a, size=bound, fill_value=0)
     index_a = jnp.cumsum(present_a, dtype=jnp.int32) - 1
     return slots_p.astype(jnp.int32), index_a[adapter_b]
+
+
+class ExpertWeights(NamedTuple):
+    """One expert projection's arrays, as a per-device computation receives them."""
+
+    kernel: jax.Array  # [E, in, out], or the whole stack [L, E, in, out]
+    lora_a: jax.Array  # [E, A, in, R]
+    lora_b: jax.Array  # [E, A, R, out]
+    lora_scale: jax.Array  # [A]
+
+
+def expert_linear(x_ri: jax.Array, w: ExpertWeights, rows: ExpertRows, use_lora: bool) -> jax.Array:
+    """float32 `[rows, out]`: each sorted row times its expert's kernel, plus its adapter's LoRA delta."""
+    y_ro = gmm(x_ri, w.kernel, rows.expert_sizes_e, impl=rows.impl, layer=rows.layer, platform=rows.platform)
+    if use_lora:
+        a_epir = w.lora_a[:, rows.slots_p]
+        e, p, i, r = a_epir.shape
+        b_gro = w.lora_b[:, rows.slots_p].reshape(e * p, r, -1)
+        h_rr = gmm(x_ri.astype(a_epir.dtype), a_epir.reshape(e * p, i, r), rows.lora_sizes_g, impl=rows.impl,
+                   platform=rows.platform)
+        delta_ro = gmm(h_rr, b_gro, rows.lora_sizes_g, impl=rows.impl, platform=rows.platform)
+        y_ro = y_ro + delta_ro * w.lora_scale[rows.adapter_r][:, None]
+    return y_ro
 
 
 class ExpertLinear(nnx.Module):
@@ -70,16 +96,15 @@ class ExpertLinear(nnx.Module):
             stack, num_adapters, rank, in_f, out_f, experts=(num_experts,)
         )
 
-    def __call__(self, x_ri: jax.Array, rows: ExpertRows, use_lora: bool) -> jax.Array:
-        y_ro = gmm(x_ri, self.kernel[...], rows.expert_sizes_e, impl=rows.impl, layer=rows.layer)
-        if use_lora:
-            a_epir = self.lora_a[...][:, rows.slots_p]
-            e, p, i, r = a_epir.shape
-            b_gro = self.lora_b[...][:, rows.slots_p].reshape(e * p, r, -1)
-            h_rr = gmm(x_ri.astype(a_epir.dtype), a_epir.reshape(e * p, i, r), rows.lora_sizes_g, impl=rows.impl)
-            delta_ro = gmm(h_rr, b_gro, rows.lora_sizes_g, impl=rows.impl)
-            y_ro = y_ro + delta_ro * self.lora_scale[...][rows.adapter_r][:, None]
-        return y_ro.astype(x_ri.dtype)
+    def weights(self) -> ExpertWeights:
+        return ExpertWeights(self.kernel[...], self.lora_a[...], self.lora_b[...], self.lora_scale[...])
+
+
+def _weight_names(w: ExpertWeights, axes: tuple[str, str]) -> list[tuple[str | None, ...]]:
+    """Logical names of an expert projection's arrays (`axes`: its in/out axes, `LINEAR_AXES`)."""
+    i, o = axes
+    return [("layers",) * (w.kernel.ndim - 3) + ("expert", i, o), ("expert", "adapter", i, "rank"),
+            ("expert", "adapter", "rank", o), ("adapter",)]
 
 
 class Router(nnx.Module):
@@ -106,17 +131,25 @@ class SparseMoE(nnx.Module):
         dtype,
         rngs: nnx.Rngs,
         moe_impl: str = "auto",
+        platform: str | None = None,
+        shard: LogicalSharding = NO_SHARDING,
     ):
+        """`platform`: what the model's programs are built for (default: JAX's first device's, resolved here,
+        not while tracing)."""
         resolve_impl(moe_impl)  # an unknown name fails when the model is built
         self.moe_impl = moe_impl
+        self.shard = shard
+        self.platform = platform_of() if platform is None else normalise(platform)
         self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.num_adapters = num_adapters
         self.gate = Router(cfg.hidden_size, cfg.num_experts, stack=stack, dtype=dtype, rngs=rngs)
         self.experts = Experts(cfg, num_adapters=num_adapters, rank=rank, stack=stack, dtype=dtype, rngs=rngs)
 
-    def route(self, x_nd: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Top-k expert ids [n, k] and their weights [n, k] (softmax in float32, optionally renormalised)."""
-        logits_ne = jnp.dot(x_nd, self.gate.kernel[...], preferred_element_type=jnp.float32)
+    def route(self, x_nd: jax.Array, router_de: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Top-k expert ids [..., k] and their weights [..., k] of tokens `[..., d]` (softmax in float32,
+        optionally renormalised); `router_de`: the router kernel (default this layer's)."""
+        router_de = self.gate.kernel[...] if router_de is None else router_de
+        logits_ne = jnp.dot(x_nd, router_de, preferred_element_type=jnp.float32)
         probs_ne = jax.nn.softmax(logits_ne, axis=-1)
         weight_nk, expert_nk = jax.lax.top_k(probs_ne, self.top_k)
         if self.norm_topk_prob:
@@ -124,32 +157,81 @@ class SparseMoE(nnx.Module):
         return expert_nk, weight_nk.astype(x_nd.dtype)
 
     def __call__(self, x_btd: jax.Array, adapter_b: jax.Array | None, layer: jax.Array | None = None) -> jax.Array:
-        """`layer`: set when the expert kernels are the whole stack `[L, E, in, out]` (see ExpertLinear)."""
+        """`layer`: set when the expert kernels are the whole stack `[L, E, in, out]` (see ExpertLinear).
+
+        Expert parallelism: on a mesh the experts run per device (`LogicalSharding.local`). Each device holds
+        its rows (batch over fsdp, the same rows on every ep / tp device) and its experts' weights (experts
+        over ep, the MLP width over tp, gathered over fsdp), computes its experts' share of every routed row
+        of its batch, and one all-reduce over the expert and MLP axes sums the shares: no expert weight is
+        gathered over ep, and the grouped matmul (a Pallas kernel on TPU) runs on local arrays."""
         b, t, d = x_btd.shape
-        x_nd = x_btd.reshape(-1, d)
-        n, k, e = x_nd.shape[0], self.top_k, self.num_experts
-        expert_nk, weight_nk = self.route(x_nd)
         use_lora = adapter_b is not None
+        adapter_b = adapter_b.astype(jnp.int32) if use_lora else jnp.zeros((b,), jnp.int32)
+        projections = (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj)
+        weights = [p.weights() for p in projections]
+        if layer is not None and self.shard.gathers(weights[0].kernel, ("layers", "expert", *LINEAR_AXES["gate_proj"])):
+            # a whole-stack kernel that is stored split over the batch's axes (fsdp) is gathered per layer, not
+            # the whole stack at once: take this layer's slice first
+            weights = [w._replace(kernel=jax.lax.dynamic_index_in_dim(w.kernel, layer, 0, keepdims=False))
+                       for w in weights]
+            layer = None
+        names = [n for w, axes in zip(weights, (LINEAR_AXES[k] for k in ("gate_proj", "up_proj", "down_proj")))
+                 for n in _weight_names(w, axes)]
+        flat = [a for w in weights for a in w]
+        expert_axis = mlp_axis = None  # mesh axes of the down kernel's [E, mlp, embed] in its compute layout
+        if self.shard.mesh is not None and self.shard.mesh.size > 1:
+            down_spec = self.shard.spec(names[8], flat[8].shape, taken=self.shard.batch_axes)
+            expert_axis, mlp_axis = down_spec[-3], down_spec[-2]
+        whole = layer is not None
+        reduce = tuple(a for a in (expert_axis, mlp_axis) if a is not None)
+
+        def run(x_btd, adapter_b, layer, router_de, *flat):
+            # routing per device too: XLA's partitioner would gather the router's probabilities for the top-k
+            expert_btk, weight_btk = self.route(x_btd, router_de)
+            gate, up, down = (ExpertWeights(*flat[i:i + 4]) for i in (0, 4, 8))
+            e_local = gate.kernel.shape[-3]
+            offset = jax.lax.axis_index(expert_axis) * e_local if expert_axis is not None else 0
+            out_btd = self._local_experts(x_btd, expert_btk - offset, weight_btk, adapter_b,
+                                          layer if whole else None, (gate, up, down), use_lora, partial=bool(reduce))
+            if reduce:
+                out_btd = jax.lax.psum(out_btd, reduce)
+            return out_btd.astype(x_btd.dtype)
+
+        args = [x_btd, adapter_b, jnp.zeros((), jnp.int32) if layer is None else layer, self.gate.kernel[...], *flat]
+        in_names = [("batch", "length", "embed"), ("batch",), None, (None, None), *names]
+        local = self.shard.local(run, in_names, ("batch", "length", "embed"), *(a.shape for a in args),
+                                 out_shapes=x_btd.shape)
+        return local(*args)
+
+    def _local_experts(self, x_btd, expert_btk, weight_btk, adapter_b, layer, weights, use_lora,
+                       partial: bool) -> jax.Array:
+        """`[b, t, d]`: the experts in `weights` (ids `0..e_local-1`; any other id in `expert_btk` belongs to
+        another device and contributes nothing here) applied to the rows routed to them. `partial`: a share
+        other devices' shares are added to, kept in float32 until that sum; else in the model dtype, as the
+        one-device reference computes it."""
+        gate, up, down = weights
+        b, t, d = x_btd.shape
+        k, e_local = self.top_k, gate.kernel.shape[-3]
+        x_nd, expert_nk, weight_nk = x_btd.reshape(-1, d), expert_btk.reshape(-1, k), weight_btk.reshape(-1, k)
+        n = x_nd.shape[0]
         if use_lora:
-            adapter_b = adapter_b.astype(jnp.int32)
             slots_p, index_b = present_slots(adapter_b, self.num_adapters)
         else:
-            adapter_b = index_b = jnp.zeros((b,), jnp.int32)
-            slots_p = jnp.zeros((1,), jnp.int32)
+            index_b, slots_p = jnp.zeros((b,), jnp.int32), jnp.zeros((1,), jnp.int32)
         p = slots_p.shape[0]
-        key_nk = expert_nk * p + jnp.repeat(index_b, t)[:, None]
-        routing = make_routing(key_nk.reshape(-1), e * p)
-        rows = ExpertRows(
-            routing.group_sizes_g.reshape(e, p).sum(axis=1),
-            routing.group_sizes_g,
-            slots_p,
-            jnp.repeat(adapter_b, t * k)[routing.sort_n],
-            self.moe_impl,
-            layer,
-        )
+        mine_nk = (expert_nk >= 0) & (expert_nk < e_local)
+        # rows of other devices' experts sort into one trailing group that no weight owns: they come out zero
+        key_nk = jnp.where(mine_nk, expert_nk * p + jnp.repeat(index_b, t)[:, None], e_local * p)
+        routing = make_routing(key_nk.reshape(-1), e_local * p + 1)
+        sizes_g = routing.group_sizes_g[:-1]
+        rows = ExpertRows(sizes_g.reshape(e_local, p).sum(axis=1), sizes_g, slots_p,
+                          jnp.repeat(adapter_b, t * k)[routing.sort_n], self.moe_impl, layer, self.platform)
         x_rd = x_nd[routing.sort_n // k]
-        h_rf = jax.nn.silu(self.experts.gate_proj(x_rd, rows, use_lora)) * self.experts.up_proj(x_rd, rows, use_lora)
-        y_rd = self.experts.down_proj(h_rf, rows, use_lora)
+        h_rf = (jax.nn.silu(expert_linear(x_rd, gate, rows, use_lora).astype(x_nd.dtype))
+                * expert_linear(x_rd, up, rows, use_lora).astype(x_nd.dtype))
+        y_rd = expert_linear(h_rf, down, rows, use_lora)
+        if not partial:
+            y_rd = y_rd.astype(x_nd.dtype)
         y_nkd = y_rd[routing.unsort_n].reshape(n, k, d)
-        out_nd = jnp.sum(y_nkd * weight_nk[..., None], axis=1)
-        return out_nd.reshape(b, t, d)
+        weight_nk = jnp.where(mine_nk, weight_nk, 0).astype(y_nkd.dtype)
+        return jnp.sum(y_nkd * weight_nk[..., None], axis=1).reshape(b, t, d)
