@@ -83,7 +83,10 @@ def slot_keys(seed_s: jax.Array, gen_s: jax.Array) -> jax.Array:
 def decode_steps(model, pools: Pools, inp: SlotInputs, steps: int, topk: int, impl: str,
                  kv_block: int) -> tuple[Pools, StepOutputs]:
     s = inp.token_s.shape[0]
-    pools = copy_pages(pools, inp.copy_src_s, inp.copy_dst_s)  # before any slot reads its pages
+    # before any slot reads its pages; the page ids go to every device (each fsdp replica of the pools copies
+    # every pair locally, instead of gathering the copied pages of the other rows' shards)
+    src_s, dst_s = (model.layout.constrain(x, (None,)) for x in (inp.copy_src_s, inp.copy_dst_s))
+    pools = copy_pages(pools, src_s, dst_s)
 
     penalized = inp.presence_sv is not None
 

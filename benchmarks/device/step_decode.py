@@ -1,0 +1,113 @@
+"""Step d: decode throughput at batch 1, 64 and 256 (Qwen3-1.7B shape, bf16) through tx's paged sampling engine.
+
+One JaxBackend, sample_engine="paged" with paged_attention_impl="blocked" (XLA online softmax over KV
+blocks: the Pallas kernel is TPU-only), `max_num_seqs` = the largest batch, prefix cache off (so a repeated
+measurement prefills again), one LoRA adapter of rank `rank` read by every row. Per batch B: B prompts of
+`prompt_len` random tokens, greedy, no stop tokens, so every row generates `new_tokens`. As in
+benchmarks/bench_sample.py, prefill time is that of a 1-token generation and decode time is total - prefill:
+decode tokens/s = B (new_tokens - 1) / (total - prefill), `step_time_s` = one decode step. One warm-up
+(compiling) round with other prompts first; medians of `repeats`.
+
+`hbm_fraction`: suite.decode_step_bytes (every matmul weight in bf16, one adapter's LoRA weights in float32,
+each row's K/V over the mean context) / step time / the device's HBM bandwidth (METHOD.md).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from suite import Device, Results, decode_step_bytes, model_shape, step_args, work
+
+MODEL = "qwen3_1p7b"
+
+
+def sample_batch(prompts: list[list[int]], max_tokens: list[int], model_id: str, samples: int = 1,
+                 temperature: float = 0.0):
+    """One request per prompt, `samples` rows each; request i's rows use seed i (stop lists empty)."""
+    from tx import types
+
+    n = len(prompts)
+    params = [types.SamplingParams(max_tokens=mt, temperature=temperature, seed=i, stop=[])
+              for i, mt in enumerate(max_tokens) for _ in range(samples)]
+    return types.PreparedSampleBatch(
+        all_prompts=[p for p in prompts for _ in range(samples)], all_sampling_params=params,
+        all_model_ids=[model_id] * n * samples, all_checkpoint_ids=[""] * n * samples,
+        all_checkpoint_paths=[""] * n * samples,
+        request_batch_slices=[(f"r{i}", model_id, i * samples, (i + 1) * samples, False, 0) for i in range(n)])
+
+
+def generated_tokens(out: dict) -> int:
+    from tx import types
+
+    bad = [o for o in out.values() if not isinstance(o, types.SampleOutput)]
+    if bad:
+        raise RuntimeError(f"sample failed: {bad[0]}")
+    return sum(len(s.tokens) for o in out.values() for s in o.sequences)
+
+
+def sample_compiles(backend) -> int:
+    return sum(v for k, v in backend.metrics.compiles.items() if k.startswith("sample"))
+
+
+def main() -> None:
+    args = step_args("d", __doc__.split("\n\n")[0])
+    device = Device("jax")
+    results = Results(args.results, "d", args.dry_run, device)
+    w, m = work(args.dry_run, "decode"), model_shape(args.dry_run, MODEL)
+    plen, new, rank = w["prompt_len"], w["new_tokens"], w["rank"]
+    backend, error = None, None
+    try:
+        import tx
+        from tx import types
+
+        backend = tx.JaxBackend(str(Path(args.models) / MODEL), tx.JaxBackendConfig(
+            max_lora_adapters=2, max_lora_rank=rank, max_seq_len=plen + new + 1, sample_engine="paged",
+            paged_attention_impl="blocked", max_num_seqs=max(w["batches"]), prefix_cache=False))
+        backend.create_model("m0", types.LoraConfig(rank=rank, alpha=2.0 * rank, seed=0))
+    except Exception as exc:  # noqa: BLE001 - every workload reports it
+        error = exc
+    rng = np.random.default_rng(0)
+    for batch in w["batches"]:
+        with results.workload(f"decode_b{batch}") as row:
+            if error is not None:
+                raise RuntimeError(f"backend setup failed: {type(error).__name__}: {error}")
+            row["shapes"] = {"model": MODEL, **vars(m), "batch": batch, "prompt_len": plen, "new_tokens": new,
+                             "rank": rank, "adapters": 1, "dtype": "bfloat16", "engine": "paged",
+                             "paged_attention_impl": "blocked", "max_num_seqs": backend.config.max_num_seqs,
+                             "decode_steps_per_call": backend.config.decode_steps_per_call}
+
+            def run(tokens: int) -> float:
+                prompts = rng.integers(3, m.vocab_size, (batch, plen)).tolist()
+                start = time.perf_counter()
+                got = generated_tokens(backend.sample(sample_batch(prompts, [tokens] * batch, "m0")))
+                elapsed = time.perf_counter() - start
+                if got != batch * tokens:
+                    raise RuntimeError(f"generated {got} tokens, expected {batch * tokens}")
+                return elapsed
+
+            run(1), run(new)  # compile every program this batch uses
+            before = sample_compiles(backend)
+            prefill = statistics.median(run(1) for _ in range(w["repeats"]))
+            total = statistics.median(run(new) for _ in range(w["repeats"]))
+            decode = total - prefill
+            step = decode / max(new - 1, 1) if decode > 0 else None  # None: lost in the noise (tiny shapes)
+            bytes_per_step = decode_step_bytes(m, rank, batch, plen + new / 2)
+            row.update({
+                "step_time_s": step and round(step, 6), "tokens_per_s": step and round(batch / step, 1),
+                "prefill_s": round(prefill, 5), "prefill_tokens_per_s": round(batch * plen / prefill, 1),
+                "total_s": round(total, 5),
+                "compiles": sample_compiles(backend), "compiles_during_timing": sample_compiles(backend) - before,
+                "bytes_per_decode_step": int(bytes_per_step),
+                "hbm_fraction": (round(bytes_per_step / step / device.peak_bandwidth, 4)
+                                 if device.peak_bandwidth and step else None),
+                "peak_hbm_tb_per_s": device.peak_bandwidth and device.peak_bandwidth / 1e12,
+                "kv_cache_pages": backend.metrics.sampling.get("kv_cache_pages"),
+            })
+
+
+if __name__ == "__main__":
+    main()
