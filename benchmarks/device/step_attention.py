@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from suite import Device, Results, median_time, step_args, work
+from suite import Device, Results, jax_step, median_time
 
 
 def inputs(rng, batch, t, heads, kv_heads, head_dim):
@@ -146,10 +146,7 @@ def timing(results: Results, device: Device, w: dict) -> None:
 
 
 def main() -> None:
-    args = step_args("a", __doc__.split("\n\n")[0])
-    device = Device("jax")
-    results = Results(args.results, "a", args.dry_run, device)
-    w = work(args.dry_run, "attention")
+    args, device, results, w, _ = jax_step("a", __doc__, "attention")
     parity(results, device, w, packed=False)
     parity(results, device, w, packed=True)
     timing(results, device, w)

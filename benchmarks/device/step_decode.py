@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from suite import Device, Results, decode_step_bytes, model_shape, step_args, work
+from suite import decode_step_bytes, jax_step
 
 MODEL = "qwen3_1p7b"
 
@@ -54,10 +54,7 @@ def sample_compiles(backend) -> int:
 
 
 def main() -> None:
-    args = step_args("d", __doc__.split("\n\n")[0])
-    device = Device("jax")
-    results = Results(args.results, "d", args.dry_run, device)
-    w, m = work(args.dry_run, "decode"), model_shape(args.dry_run, MODEL)
+    args, device, results, w, m = jax_step("d", __doc__, "decode", MODEL)
     plen, new, rank = w["prompt_len"], w["new_tokens"], w["rank"]
     backend, error = None, None
     try:

@@ -15,16 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from suite import Device, Results, full_train_flops, matmul_params, mfu, model_shape, step_args, work
+from suite import full_train_flops, jax_step, matmul_params, mfu
 
 MODEL = "qwen3_0p6b"
 
 
 def main() -> None:
-    args = step_args("c", __doc__.split("\n\n")[0])
-    device = Device("jax")
-    results = Results(args.results, "c", args.dry_run, device)
-    w, m = work(args.dry_run, "full"), model_shape(args.dry_run, MODEL)
+    args, device, results, w, m = jax_step("c", __doc__, "full", MODEL)
     with results.workload("full_train") as row:
         import tx
         from tx import types

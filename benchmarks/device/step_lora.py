@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from suite import (Device, Results, lora_params, lora_train_flops, lora_shapes, lora_workload, matmul_params, mfu,
-                   model_shape, step_args, work)
+from suite import (Device, Results, jax_step, lora_params, lora_shapes, lora_train_flops, lora_workload,
+                   matmul_params, mfu)
 
 MODEL = "qwen3_1p7b"
 
@@ -88,10 +88,7 @@ def run_workload(results: Results, device: Device, backend, m, w: dict, adapters
 
 
 def main() -> None:
-    args = step_args("b", __doc__.split("\n\n")[0])
-    device = Device("jax")
-    results = Results(args.results, "b", args.dry_run, device)
-    w, m = work(args.dry_run, "lora"), model_shape(args.dry_run, MODEL)
+    args, device, results, w, m = jax_step("b", __doc__, "lora", MODEL)
     backend, error = None, None
     try:
         import tx

@@ -16,16 +16,13 @@ from pathlib import Path
 import numpy as np
 
 from step_decode import generated_tokens, sample_batch, sample_compiles
-from suite import Device, Results, model_shape, step_args, work
+from suite import jax_step
 
 MODEL = "qwen3_1p7b"
 
 
 def main() -> None:
-    args = step_args("e", __doc__.split("\n\n")[0])
-    device = Device("jax")
-    results = Results(args.results, "e", args.dry_run, device)
-    w, m = work(args.dry_run, "rl"), model_shape(args.dry_run, MODEL)
+    args, device, results, w, m = jax_step("e", __doc__, "rl", MODEL)
     with results.workload("rl_sample") as row:
         import tx
         from tx import types

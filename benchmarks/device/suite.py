@@ -340,3 +340,13 @@ if __name__ == "__main__":
         fail_main(sys.argv[2:])
     else:
         raise SystemExit(__doc__)
+
+
+def jax_step(step: str, doc: str, work_name: str, model: str | None = None):
+    """What every tx step starts with: its arguments, the JAX device, its results file, its workload sizes
+    and (given `model`) the model's shape: `(args, device, results, w, m)`."""
+    args = step_args(step, doc.split("\n\n")[0])
+    device = Device("jax")
+    results = Results(args.results, step, args.dry_run, device)
+    m = model_shape(args.dry_run, model) if model else None
+    return args, device, results, work(args.dry_run, work_name), m
