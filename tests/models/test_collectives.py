@@ -69,7 +69,7 @@ def _backend(model_dir: str, mesh: tuple[int, int, int], sample: bool = True) ->
     config = JaxBackendConfig(fully_sharded_data_parallel_size=fsdp, expert_parallel_size=ep, tensor_parallel_size=tp,
                               max_lora_adapters=A, max_lora_rank=R, sample_engine="paged", max_num_seqs=8)
     backend = JaxBackend(model_dir, config)
-    backend.record_programs = True
+    backend.programs.enabled = True
     backend.create_model("m", types.LoraConfig(rank=R, seed=0))
     rng = np.random.default_rng(0)
     seqs = rng.integers(0, VOCAB, (8, 33)).tolist()
@@ -131,7 +131,7 @@ def _expected_bytes(fsdp: int, tp: int) -> tuple[int, int]:
 def test_collectives_per_layer_and_bytes(model_dir, mesh):
     fsdp, ep, tp = mesh
     backend = _backend(model_dir, mesh)
-    hlo = backend.lowered("forward_backward").compile().as_text()
+    hlo = backend.programs.lowered("forward_backward").compile().as_text()
     bodies = _layer_bodies(hlo, backend.mesh)
     if fsdp == tp == 1:  # ep replicas of a dense model: nothing moves
         assert bodies == [], bodies
@@ -146,7 +146,7 @@ def test_collectives_per_layer_and_bytes(model_dir, mesh):
         assert 4 + 5 + 2 <= grads.pop(("all-reduce", "tp")) <= 4 + 5 + 5, backward
     assert grads == {}, f"unexpected collectives in the backward layer on {mesh}: {grads}"
 
-    decode_hlo = backend.lowered("sample_decode").compile().as_text()
+    decode_hlo = backend.programs.lowered("sample_decode").compile().as_text()
     with_weights = [b for b in _layer_bodies(decode_hlo, backend.mesh) if b.get(("all-gather", "fsdp"), 0) >= 14
                     or b.get(("all-reduce", "tp"), 0) == 4]
     want = _expected_forward(fsdp, tp)
@@ -180,7 +180,7 @@ def test_moe_layer_is_expert_parallel(moe_dir, mesh):
     No expert weight is gathered over ep in the forward or the backward layer."""
     fsdp, ep, tp = mesh
     backend = _backend(moe_dir, mesh, sample=False)
-    forward, backward = _layer_bodies(backend.lowered("forward_backward").compile().as_text(), backend.mesh)
+    forward, backward = _layer_bodies(backend.programs.lowered("forward_backward").compile().as_text(), backend.mesh)
     want = {("all-reduce", "+".join(sorted(a for a, n in (("ep", ep), ("tp", tp)) if n > 1))): 1}
     if fsdp > 1:
         want[("all-gather", "fsdp")] = 14

@@ -25,6 +25,7 @@ from tx.backends.base import AbstractBackend
 from tx.backends.checkpointing import CheckpointMixin
 from tx.backends.config import JaxBackendConfig
 from tx.backends.sampler import Sampler
+from tx.backends.programs import ProgramLog
 from tx.backends.slots import SlotTable
 from tx.backends.steps import (commit_grads, init_opt_state, make_model_pass, make_optim_step, split_model,
                                zero_slot)
@@ -74,10 +75,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         self._grad_sum = jax.tree.map(jnp.zeros_like, lora)
         self.metrics = types.EngineMetrics()
         self._fns: dict[Any, Callable] = {}
-        # program name -> (jitted fn, abstract args, kwargs) of its last call, kept while `record_programs`
-        # (tests and tools lower the real programs with `lowered`); off by default: it costs a tree walk per call
-        self.record_programs = False
-        self._programs: dict[str, tuple[Callable, tuple, dict]] = {}
+        self.programs = ProgramLog()  # each program's last call, once enabled: tests lower the real programs
         self._planned_shapes: dict[str, set[tuple[int, int]]] = {}  # per pass: micro-batch shapes planned so far
         self._sampler = Sampler(self, self.model_dir)
 
@@ -117,20 +115,10 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
 
     def _run(self, name: str, fn: Callable, *args, **kwargs):
         self.metrics.calls[name] = self.metrics.calls.get(name, 0) + 1
-        if self.record_programs:
-            self._programs[name] = (fn, jax.tree.map(_abstract, args), kwargs)
+        self.programs.record(name, fn, args, kwargs)
         ctx = jax.disable_jit() if self.config.enforce_eager else contextlib.nullcontext()
         with ctx:
             return fn(*args, **kwargs)
-
-    def lowered(self, name: str) -> jax.stages.Lowered:
-        """The program `name` ("forward_backward", "optim_step", "sample_decode", ...) lowered for the
-        arguments of its last call (shapes and shardings only), once `record_programs` is set."""
-        if name not in self._programs:
-            raise KeyError(f"no recorded call of program {name!r} (set record_programs=True before calling it); "
-                           f"recorded: {', '.join(sorted(self._programs)) or 'none'}")
-        fn, args, kwargs = self._programs[name]
-        return fn.lower(*args, **kwargs)
 
     def _count_tokens(self, name: str, real: int, padded: int) -> None:
         """Tokens of the datums and of the padded device batch of one jit call (the padding overhead)."""
@@ -407,13 +395,6 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
     @property
     def sampling_active(self) -> bool:
         return self._sampler.active
-
-
-def _abstract(x: Any) -> Any:
-    """An array's shape, dtype and sharding (what lowering needs); anything else as it is."""
-    if isinstance(x, jax.Array):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-    return x
 
 
 def build_mesh(config: JaxBackendConfig) -> Mesh:
