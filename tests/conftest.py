@@ -3,15 +3,17 @@ one-device backends unless a test asks for a mesh."""
 
 import os
 
-# Must happen before jax is imported anywhere: 8 host devices so mesh tests run on this CPU.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from tests.helpers import cpu_xla_flags, pin_mesh_default
+
+# Must happen before jax is imported anywhere (tests.helpers imports only numpy): 8 host devices so mesh
+# tests run on this CPU.
+os.environ.setdefault("XLA_FLAGS", cpu_xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest
 
-from tests.helpers import pin_mesh_default
 from tx.models.tiny import TinySpec, write_tiny_model
 
 # Before any test module builds a config: backends run on one device unless a test sizes its mesh (the

@@ -67,6 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "--coordinator-address / --num-processes must agree with it); the mesh sizes default to every "
                    "device: fsdp = devices / (ep x tp), 'auto' or -1 for the axis that takes the rest")
     add_config_flags(m, JaxBackendConfig, skip=PROCESS_FIELDS)
+    m.add_argument("--compile-cache", metavar="DIR",
+                   help="JAX's persistent compilation cache (default: $JAX_COMPILATION_CACHE_DIR, else "
+                        "DATA_DIR/compile-cache; on every host): a restarted process reads the programs it compiled "
+                        "before instead of compiling them again")
+    m.add_argument("--no-compile-cache", action="store_true", help="no persistent compilation cache")
+    m.add_argument("--precompile", nargs="?", const="cross_entropy", metavar="LOSS[,LOSS...]",
+                   help="before serving, compile forward_backward at every micro-batch shape the config allows for "
+                        "these loss functions (default cross_entropy) and the paged sampling engine at every slot "
+                        "count, by running each once on a scratch adapter (see tx/backends/precompile.py); the "
+                        "time is logged. With the compilation cache a restart reads them from disk")
     j = p.add_argument_group("job (process 0)")
     j.add_argument("--job", choices=["serve", "smoke"], default="serve",
                    help="serve: the Tinker API; smoke: train an adapter on synthetic batches, sample, exit")
@@ -157,6 +167,20 @@ def base_models(args: argparse.Namespace, parser: argparse.ArgumentParser):
         parser.error(f"invalid base models: {e}")
 
 
+def precompile_loss_fns(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, ...]:
+    """The loss functions `--precompile` names (none without it), each a registered one."""
+    if args.precompile is None:
+        return ()
+    from tx import losses
+
+    names = tuple(n.strip() for n in args.precompile.split(",") if n.strip())
+    unknown = [n for n in names if n not in losses.names()]
+    if unknown or not names:
+        parser.error(f"--precompile {args.precompile!r}: {unknown or 'no'} loss function(s); registered: "
+                     f"{', '.join(losses.names())}")
+    return names
+
+
 def validate_processes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     explicit = [args.coordinator_address, args.num_processes, args.process_id]
     if any(x is not None for x in explicit) and not all(x is not None for x in explicit):
@@ -241,7 +265,10 @@ def smoke_job(backend, steps: int) -> None:
         request_batch_slices=[("sample", "smoke", 0, 1, True, 0)])
     seq = backend.sample(sample)["sample"].sequences[0]
     print(json.dumps({"sampled": seq.tokens, "memorised": seq.tokens == seqs[0][8:16]}), flush=True)
-    print(json.dumps({"summary": True, "compiles": backend.metrics.compiles, "calls": backend.metrics.calls}), flush=True)
+    from tx.runtime import compile_cache_stats
+
+    print(json.dumps({"summary": True, "compiles": backend.metrics.compiles, "calls": backend.metrics.calls,
+                      "compile_cache": compile_cache_stats()}), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,12 +283,18 @@ def main(argv: list[str] | None = None) -> int:
             importlib.import_module(module)
         except ImportError as e:
             parser.error(f"--import {module}: {e}")
+    precompile_losses = precompile_loss_fns(args, parser)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s", force=True)
     control = None
     if args.coordinator_address is not None and args.num_processes > 1:  # known now: refuse before starting
         control = control_channel(args, parser, args.process_id)  # the launch rank, before jax knows it
     initialize_distributed(args)
+    if not args.no_compile_cache:
+        from tx.runtime import enable_compile_cache
+
+        enable_compile_cache(args.compile_cache or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+                             or service[0].data_dir / "compile-cache")
 
     import jax
 
@@ -297,6 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         backends = load_backends(models, config, coordinator)
         backend = backends[args.base_model]
+        if precompile_losses:
+            from tx.backends.precompile import precompile
+
+            for each in backends.values():
+                precompile(each, each.impl, precompile_losses)
         if args.job == "smoke":
             smoke_job(backend, args.steps)
         else:

@@ -14,9 +14,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-from suite import MODELS, Results, step_args  # noqa: E402
+from suite import MODELS, Results, step_args
 
 
 def spec_for(shape: dict):
@@ -59,4 +57,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # here, not at import: profile_decode.py imports `write` and must keep the GPU (the writers are children)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     main()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 
+from tests.helpers import cpu_xla_flags
 from tests.ports import free_ports
 
 API_KEY = "tml-tx-test-key"
@@ -30,7 +31,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = data_dir / f"server-{self.port}.log"
         data_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        env = {**os.environ, "XLA_FLAGS": cpu_xla_flags(devices),
                "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
         cmd = [sys.executable, "-m", "tx.run", "--port", str(self.port), "--data-dir", str(data_dir),
                "--api-key", API_KEY, "--max-lora-adapters", "24", "--max-lora-rank", "8", "--max-seq-len", "128",

@@ -189,8 +189,8 @@ def paged_decode(t: Target):
     fn = jax.jit(decode_steps, static_argnames=("steps", "topk", "impl", "kv_block"), donate_argnames=("pools",))
     model = t.lora_model
     inp = SlotInputs(**({"presence_sv": None} | t.batch(arrays)))
-    return fn, (abstract(model), _pools(t, model), inp), dict(steps=2, topk=2, impl=PAGED_IMPL[t.platform],
-                                                               kv_block=32)
+    static = dict(steps=2, topk=2, impl=PAGED_IMPL[t.platform], kv_block=32)
+    return fn, (abstract(model), _pools(t, model), inp, np.int32(2)), static
 
 
 def static_generate(t: Target):

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.helpers import cpu_xla_flags
 from tests.ports import free_ports
 
 DRIVER = Path(__file__).with_name("driver.py")
@@ -24,7 +25,7 @@ def _ports() -> int:
 
 def _env(devices: int) -> dict:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = cpu_xla_flags(devices)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = str(ROOT)
     return env

@@ -11,8 +11,9 @@ from tests.sampling.test_sample import PROMPTS, SP, sample_batch
 from tx import types
 
 BASE = dict(max_lora_adapters=3, max_lora_rank=4, max_seq_len=96, max_num_samples=8)
+# 4 decode steps per call whether or not requests wait: rows join and leave between calls often
 PAGED = dict(sample_engine="paged", kv_page_size=4, kv_block=8, prefill_chunk=8, prefill_rows=2,
-             decode_steps_per_call=4, max_num_seqs=16)
+             decode_steps_per_call=4, max_decode_steps_per_call=4, max_num_seqs=16)
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,28 @@ def test_requests_joining_a_running_batch_sample_what_they_sample_alone(backend)
         same(want[request_id], out[request_id])
     # the short request joined at step 3 and left long before the long one ended: 8 tokens = 2 calls of 4
     assert steps_of["short"] - 3 <= 3 < steps_of["long"] - steps_of["short"]
+
+
+def test_calls_run_long_unless_a_request_waits_and_share_one_program(tiny_dirs, backend):
+    """With nothing waiting a call runs up to max_decode_steps_per_call (32) steps; while a request waits for
+    the one slot, decode_steps_per_call (4). The bound is traced: one decode program for both, and the
+    tokens are those of the fixed-4-step engine."""
+    one = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **(PAGED | dict(
+        max_num_seqs=1, max_decode_steps_per_call=32))))
+    one.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
+    first = ("first", "a", [(PROMPTS[2], SP(max_tokens=60, temperature=1.0, seed=9, stop=[]))], False, 0)
+    second = ("second", "a", [(PROMPTS[1], SP(max_tokens=40, temperature=0.7, seed=2, stop=[]))], False, 0)
+    want = alone(backend, [first, second])  # 4 steps per call
+    calls = lambda: one.metrics.sampling["calls"]  # noqa: E731
+    same(one.sample(sample_batch([first]))["first"], want["first"])
+    assert calls() == 2  # 60 tokens: 32 + 28
+    assert one.metrics.compiles["sample_decode"] == 1
+    before = calls()
+    out = drive(one, [sample_batch([first, second])])  # second waits for the slot while first decodes
+    same(out["first"], want["first"])
+    same(out["second"], want["second"])
+    assert calls() - before == 60 // 4 + 2  # first in 4-step calls, then second alone: 32 + 8
+    assert one.metrics.compiles["sample_decode"] == 1
 
 
 def test_a_tiny_pool_preempts_and_every_request_finishes_correctly(tiny_dirs, backend):

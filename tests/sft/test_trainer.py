@@ -93,9 +93,14 @@ def test_sweep_equals_each_run_alone(full, tiny_dirs, tmp_path):
     alone = SFTTrainer(config(tiny_dirs, tmp_path, runs=[RUNS[1]]))
     alone.fit()
     want, got = weights(alone, "slow"), weights(trainer, "slow")
-    for k in want:  # a few Adam steps amplify float-sum reordering (batch of 2 runs vs 1) to ~1e-6
-        np.testing.assert_allclose(got[k][1], want[k][1], rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(got[k][0], want[k][0], rtol=1e-5, atol=1e-5)
+    # A few Adam steps amplify float-sum reordering (batch of 2 runs vs 1) to ~1e-6, and to ~1% of one step
+    # (lr 3e-3: ~3e-5) on the rare element whose gradient is near zero (Adam's g / sqrt(v) is ill-conditioned
+    # there; as in test_runs_with_their_own_dataset_and_wandb): 1e-5 elsewhere, 2% of one step on 1 in 500.
+    for k in want:
+        for got_w, want_w in ((got[k][0], want[k][0]), (got[k][1], want[k][1])):
+            far = ~np.isclose(got_w, want_w, rtol=1e-5, atol=1e-5)
+            assert far.mean() <= 2e-3, (k, far.sum(), far.size)
+            np.testing.assert_allclose(got_w, want_w, rtol=0, atol=6e-5)
 
 
 def test_bad_configs_name_the_field(tiny_dirs, tmp_path):

@@ -35,6 +35,7 @@ from tx.engine.ops import (
     UserError,
 )
 from tx.engine.store import Store
+from tx.runtime import compile_cache_stats
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +216,8 @@ def create_app(engine: Engine, store: Store, config: ApiConfig, served: ServedMo
         return {"engine": dict(engine.metrics), "backend_compiles": backend.compiles, "backend_calls": backend.calls,
                 "backend_tokens_real": backend.tokens_real, "backend_tokens_padded": backend.tokens_padded,
                 "backend_sampling": backend.sampling,
-                "backend_calls_by_base_model": {name: b.metrics.calls for name, b in engine.backends.items()}}
+                "backend_calls_by_base_model": {name: b.metrics.calls for name, b in engine.backends.items()},
+                "compile_cache": compile_cache_stats()}
 
     # ---- training ----
 

@@ -67,6 +67,32 @@ def micro_batch_shape(lengths: Sequence[int], multiple: int, max_rows: int = 0) 
     return padded_rows(len(lengths), multiple, max_rows), bucket_length(max(lengths))
 
 
+def model_pass_shapes(max_seq_len: int, token_budget: int, max_rows: int = 0,
+                      multiple: int = 1) -> list[tuple[int, int, int]]:
+    """Every padded micro-batch shape forward / forward_backward can run under this configuration, as
+    (rows, bucketed length, a row length <= max_seq_len that buckets to it): lengths are the buckets of
+    `bucket_length` up to that of `max_seq_len`; rows are the `padded_rows` values whose shape fits
+    `token_budget` (and `max_rows`), plus one row's, which runs alone when it does not fit. Without a
+    budget or a row cap any row count is a shape: refused."""
+    if not token_budget and not max_rows:
+        raise ValueError("the micro-batch shapes are unbounded: set train_micro_batch_tokens or "
+                         "train_micro_batch_size")
+    lengths: dict[int, int] = {}
+    for n in range(1, max_seq_len + 1):
+        lengths[bucket_length(n)] = n  # the longest row of each bucket
+    shapes = []
+    for seq, n in sorted(lengths.items()):
+        rows_seen, count = set(), 1
+        while True:
+            rows = padded_rows(count, multiple, max_rows)
+            if rows in rows_seen or (count > 1 and token_budget and rows * seq > token_budget):
+                break
+            rows_seen.add(rows)
+            shapes.append((rows, seq, n))
+            count = rows + 1
+    return shapes
+
+
 def plan_micro_batches(lengths: Sequence[int], token_budget: int, max_rows: int = 0, multiple: int = 1,
                        call_cost: int = CALL_COST_TOKENS, known_shapes: AbstractSet[tuple[int, int]] = frozenset(),
                        new_shape_cost: int = 0) -> list[list[int]]:
@@ -293,3 +319,28 @@ def pack(rows: list[Row], num_rows: int, seq_len: int, num_keys: int,
         starts = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])  # first token of each segment
         out["positions"][b, :n] = np.arange(n) - np.repeat(starts, np.diff(np.r_[starts, n]))
     return out
+
+
+def non_finite_output(rows: list[Row], members: list[int], logprobs: list[np.ndarray],
+                       elementwise: list[np.ndarray]) -> str | None:
+    """Why a request's outputs cannot be returned as a success (a non-finite value), or None."""
+    for d, i in enumerate(members):
+        for field, values in (("logprobs", logprobs[i]), ("elementwise_loss", elementwise[i])):
+            bad = np.argwhere(~np.isfinite(values))
+            if bad.size:
+                at = tuple(int(j) for j in bad[0])
+                return (f"datum {d}: {field}[{', '.join(map(str, at))}] = {values[at]} is not finite in float32 "
+                        f"({largest_inputs(rows, [i])})")
+    loss_sum = sum(elementwise[i].astype(np.float64).sum() for i in members)
+    if not np.isfinite(loss_sum):
+        return f"loss:sum = {loss_sum} is not finite"
+    return None
+
+
+def largest_inputs(rows: list[Row], members: list[int]) -> str:
+    """The datums' inputs by largest magnitude, so an overflow names the field that caused it."""
+    sizes = {field: max(float(np.abs(getattr(rows[i], field)).max(initial=0.0)) for i in members)
+             for field in ("weights", "advantages", "logprobs")}
+    sizes["loss_fn_config"] = max(float(np.abs(rows[i].config).max(initial=0.0)) for i in members)
+    ranked = sorted(sizes.items(), key=lambda kv: -kv[1])
+    return "largest |inputs|: " + ", ".join(f"{field} {size:.3g}" for field, size in ranked)

@@ -96,8 +96,11 @@ class JaxBackendConfig(BaseModel):
     prefill_rows: int = Field(64, ge=1, description="paged engine: most prefill chunks per device call (a call "
                               "takes what the admitted prompts need, in powers of 4; the decoding rows wait for it, "
                               "so lower it where prefill is slow, e.g. on CPU with a large model)")
-    decode_steps_per_call: int = Field(8, ge=1, description="paged engine: decode steps per device call (rows "
-                                       "join and leave between calls)")
+    decode_steps_per_call: int = Field(8, ge=1, description="paged engine: decode steps per device call while "
+                                       "requests wait to join (rows join and leave between calls)")
+    max_decode_steps_per_call: int = Field(64, ge=1, description="paged engine: decode steps per device call when "
+                                           "no request waits (one on-device loop that ends early once every row has "
+                                           "stopped; the bound is traced, so both sizes share one program)")
     paged_attention_impl: Literal["blocked", "reference", "pallas"] = Field(
         "blocked", description="paged engine: attention over pages ('blocked': XLA online softmax over KV blocks; "
         "'reference' gathers every page: the oracle; 'pallas': the ragged paged attention Pallas kernel, for TPU, "

@@ -233,7 +233,13 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         known.update(batching.micro_batch_shape([lengths[i] for i in group], fsdp, cap) for group in plan)
         return plan
 
-    def _model_pass(self, batch: types.PreparedModelPassBatch, with_grad: bool):
+    def forward_backward_planned(self, prepared_batch: types.PreparedModelPassBatch, plan: list[list[int]]):
+        """forward_backward with the micro-batches given (row indices per jit call; the first runs the
+        "grads" program, the others "accumulate") instead of planned: `tx.backends.precompile` compiles
+        each program of a shape this way."""
+        return self._model_pass(prepared_batch, with_grad=True, plan=plan)
+
+    def _model_pass(self, batch: types.PreparedModelPassBatch, with_grad: bool, plan: list[list[int]] | None = None):
         """All-or-nothing per call: gradients go into a temporary; if any micro-batch raises, the sums and
         counters are untouched. A request whose outputs are not finite fails, and so do the other requests
         of its model in this call (their gradients are mixed in the same slot): that slot is not committed."""
@@ -267,7 +273,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         elementwise: list[np.ndarray] = [None] * len(rows)  # type: ignore[list-item]
         aux_out: list[dict[str, np.ndarray]] = [{} for _ in rows]
         acc = None  # this call's gradients, committed below only once every micro-batch succeeded
-        for idx in self._micro_batches(name, rows):
+        for idx in plan if plan is not None else self._micro_batches(name, rows):
             chunk = [rows[i] for i in idx]
             num_rows, seq_len = batching.micro_batch_shape(
                 [len(r.input_ids) for r in chunk], fsdp, self.config.train_micro_batch_size)
@@ -295,7 +301,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         for i, row in enumerate(rows):
             by_request.setdefault(row.request_index, []).append(i)
         failed = {r: message for r, members in by_request.items()
-                  if (message := _non_finite_output(rows, members, logprobs, elementwise))}
+                  if (message := batching.non_finite_output(rows, members, logprobs, elementwise))}
         if with_grad:
             failed |= self._commit(batch, rows, by_request, failed, acc)
             acc = None  # the call's temporary is freed here, not kept beside the sums
@@ -336,7 +342,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
                            "outputs; this pass's gradients for the model were dropped, retry this request")
             elif not finite_s[slot]:
                 more[r] = (f"the gradient sums of model {model_of[r]!r} would not be finite in float32 after this "
-                           f"pass ({_largest_inputs(rows, members)}); this pass's gradients for it were dropped")
+                           f"pass ({batching.largest_inputs(rows, members)}); this pass's gradients for it were dropped")
         for r, members in by_request.items():
             acc_counts = self._accumulated.get(model_of[r])
             if r not in failed and r not in more and acc_counts is not None:
@@ -412,28 +418,3 @@ def build_mesh(config: JaxBackendConfig) -> Mesh:
                   logger=logger)
     logger.info("mesh %s", described)
     return mesh
-
-
-def _non_finite_output(rows: list[batching.Row], members: list[int], logprobs: list[np.ndarray],
-                       elementwise: list[np.ndarray]) -> str | None:
-    """Why a request's outputs cannot be returned as a success (a non-finite value), or None."""
-    for d, i in enumerate(members):
-        for field, values in (("logprobs", logprobs[i]), ("elementwise_loss", elementwise[i])):
-            bad = np.argwhere(~np.isfinite(values))
-            if bad.size:
-                at = tuple(int(j) for j in bad[0])
-                return (f"datum {d}: {field}[{', '.join(map(str, at))}] = {values[at]} is not finite in float32 "
-                        f"({_largest_inputs(rows, [i])})")
-    loss_sum = sum(elementwise[i].astype(np.float64).sum() for i in members)
-    if not np.isfinite(loss_sum):
-        return f"loss:sum = {loss_sum} is not finite"
-    return None
-
-
-def _largest_inputs(rows: list[batching.Row], members: list[int]) -> str:
-    """The datums' inputs by largest magnitude, so an overflow names the field that caused it."""
-    sizes = {field: max(float(np.abs(getattr(rows[i], field)).max(initial=0.0)) for i in members)
-             for field in ("weights", "advantages", "logprobs")}
-    sizes["loss_fn_config"] = max(float(np.abs(rows[i].config).max(initial=0.0)) for i in members)
-    ranked = sorted(sizes.items(), key=lambda kv: -kv[1])
-    return "largest |inputs|: " + ", ".join(f"{field} {size:.3g}" for field, size in ranked)

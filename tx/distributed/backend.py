@@ -16,8 +16,8 @@ from tx.distributed import checks
 from tx.distributed.control import Coordinator
 from tx.distributed.rpc import encode_kwargs
 
-BROADCAST = ("create_model", "delete_model", "forward", "forward_backward", "optim_step", "sample", "sample_submit",
-             "sample_step",
+BROADCAST = ("create_model", "delete_model", "forward", "forward_backward", "forward_backward_planned", "optim_step",
+             "sample", "sample_submit", "sample_step",
              "save_checkpoint", "load_checkpoint", "save_sampler_checkpoint", "evict_sampler_checkpoint", "debug_fail",
              "save_external_weights")
 
@@ -66,6 +66,9 @@ class DistributedBackend(AbstractBackend):
 
     def forward_backward(self, prepared_batch: types.PreparedModelPassBatch):
         return self._call("forward_backward", prepared_batch=prepared_batch)
+
+    def forward_backward_planned(self, prepared_batch: types.PreparedModelPassBatch, plan: list[list[int]]):
+        return self._call("forward_backward_planned", prepared_batch=prepared_batch, plan=plan)
 
     def forward(self, prepared_batch: types.PreparedModelPassBatch):
         return self._call("forward", prepared_batch=prepared_batch)

@@ -9,8 +9,9 @@ between device calls (`tx.sampling.paged_calls` packs them into the device calls
   is the shared prompt once plus each row's own tokens.
 - **Continuous batching.** A fixed number of decode slots (`max_num_seqs`). Every iteration runs at most
   one prefill call (`prefill_rows` chunks of `prefill_chunk` tokens at fixed absolute positions, so a long
-  prompt never stalls the decoding rows for more than one chunk) and one decode call of up to
-  `decode_steps_per_call` steps over the live rows. A row leaves its slot the call it stops, its pages are
+  prompt never stalls the decoding rows for more than one chunk) and one decode call over the live rows: of
+  up to `decode_steps_per_call` steps while requests wait to join, else up to `max_decode_steps_per_call`
+  (one device loop either way, ending early once every row has stopped). A row leaves its slot the call it stops, its pages are
   freed, and the next waiting row takes the slot.
 - **Pages on demand, preemption by recompute.** A row holds pages for the tokens it has written plus the
   next call's. Before a decode call every live row, oldest first, gets the pages that call can write;
@@ -129,6 +130,8 @@ class PagedEngine:
                              f"longest prompt and one longest row (max_seq_len={self.backend.max_seq_len}, "
                              f"kv_page_size={self.page})")
         self.slots, self.steps = cfg.max_num_seqs, cfg.decode_steps_per_call
+        self.max_steps = max(cfg.decode_steps_per_call, cfg.max_decode_steps_per_call)
+        self.call_steps = self.steps  # this iteration's decode bound (`_iterate`)
         self.prefix_cache = cfg.prefix_cache
         self.stats = self.backend.metrics.sampling  # reported by /api/v1/metrics
         self.stats.update({"prefill_tokens": 0, "prefill_tokens_cached": 0, "decode_tokens": 0, "peak_pages": 0,
@@ -213,8 +216,10 @@ class PagedEngine:
     # ---- one iteration ----
 
     def _iterate(self) -> None:
+        self.call_steps = self.steps  # admissions reserve pages for a short call
         self._admit_groups()
         self._admit_rows()
+        self._choose_call_steps()
         self.stats["peak_pages"] = max(self.stats["peak_pages"], self.pages.in_use)
         if self.prefilling:
             self.device.prefill(self.prefilling)
@@ -227,9 +232,19 @@ class PagedEngine:
             self.stats["peak_pages"] = max(self.stats["peak_pages"], self.pages.in_use)
         if self.live:
             live = list(self.live)
-            for lv, done in zip(live, self.device.decode(live)):
+            for lv, done in zip(live, self.device.decode(live, self.call_steps)):
                 if done:
                     self._finish(lv)
+
+    def _choose_call_steps(self) -> None:
+        """This iteration's decode bound: `max_decode_steps_per_call` when no request waits to join and the
+        free pages cover the live rows' longer call (fewer returns to the host), else `decode_steps_per_call`
+        (a waiting request gets a slot sooner; no row is preempted for the longer call)."""
+        if self.waiting or self.prefilling or self.ready:
+            return
+        self.call_steps = self.max_steps
+        if self.pages.available < self._growth():
+            self.call_steps = self.steps
 
     def _admit_groups(self) -> None:
         """Admit waiting requests (`_next_waiting` first) while the slots can take their rows (the next
@@ -299,14 +314,14 @@ class PagedEngine:
 
     def _window(self, pos: int, last: int, start: int) -> int:
         """Pages covering positions `start` .. min(pos + steps - 1, last) (the next call's writes)."""
-        return min(pos + self.steps - 1, last) // self.page - start // self.page + 1
+        return min(pos + self.call_steps - 1, last) // self.page - start // self.page + 1
 
     def _growth(self) -> int:
         """Pages the live rows need for their next call beyond what they hold."""
         return sum(max(0, self._needed(lv)) for lv in self.live)
 
     def _needed(self, lv: _Live) -> int:
-        return min(lv.pos + self.steps - 1, lv.last) // self.page + 1 - len(lv.table)
+        return min(lv.pos + self.call_steps - 1, lv.last) // self.page + 1 - len(lv.table)
 
     def _grow(self) -> None:
         """Pages for every live row's next call, oldest row first; preempt the youngest when they run out."""

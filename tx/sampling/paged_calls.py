@@ -42,7 +42,7 @@ class PagedDevice:
         self.num_pages, self.page, self.width = num_pages, cfg.kv_page_size, width
         self.slots, self.fsdp = cfg.max_num_seqs, self.backend.mesh.shape["fsdp"]
         self.chunk, self.chunk_rows = cfg.prefill_chunk, cfg.prefill_rows
-        self.steps = cfg.decode_steps_per_call
+        self.steps = max(cfg.decode_steps_per_call, cfg.max_decode_steps_per_call)  # the buffers' width
         self.impl, self.kv_block = cfg.paged_attention_impl, cfg.kv_block
         self.topk_width = pow2(cfg.max_topk_prompt_logprobs)  # topk_sample_logprobs are bounded by it
         self.stats = stats
@@ -101,9 +101,10 @@ class PagedDevice:
         self.pools = self._call("sample_prefill", ("sample_prefill", r, c), prefill_chunk, self.backend.model,
                                 self._pools(), inp, impl=self.impl, kv_block=self.kv_block)
 
-    def decode(self, live: list[_Live]) -> list[bool]:
-        """One call of up to `decode_steps_per_call` steps for the live rows; appends what each sampled to
-        its result and advances its position. Whether each row ended."""
+    def decode(self, live: list[_Live], bound: int) -> list[bool]:
+        """One call of up to `bound` steps (<= `max_decode_steps_per_call`: a traced value, one program) for
+        the live rows; appends what each sampled to its result and advances its position. Whether each row
+        ended."""
         s = min(pow2(len(live)), self.slots)
         s = -(-s // self.fsdp) * self.fsdp
         topk = self.topk_width if any(lv.row.spec.options.topk_sample_logprobs for lv in live) else 0
@@ -114,7 +115,7 @@ class PagedDevice:
                                                                                          penalized))))
         key = ("sample_decode", s, self.steps, stop_width, topk, penalized)
         self.pools, out = self._call("sample_decode", key, decode_steps, self.backend.model, self._pools(), inp,
-                                     steps=self.steps, topk=topk, impl=self.impl, kv_block=self.kv_block)
+                                     np.int32(bound), steps=self.steps, topk=topk, impl=self.impl, kv_block=self.kv_block)
         from tx.models.sharding import to_host
 
         tokens_sk, logprobs_sk, new_s, done_s, hit_s, top_ids, top_lps = [None if x is None else to_host(x)

@@ -5,7 +5,9 @@
   not including, its last token, which each sampled row feeds itself as its first decode input.
 - `copy_pages`: page `src[m]` -> page `dst[m]` in every layer (copy-on-write of a shared partial page).
 - `decode_steps`: first the copies newly admitted slots need (one pair per slot, no program of its own),
-  then up to `steps` tokens for every active slot. Each step feeds each slot's input token at its
+  then up to `bound` tokens for every active slot, in one `lax.while_loop` that also ends once every slot
+  has stopped. `steps` (static) sizes the output buffers; `bound` <= `steps` is a traced value the host
+  picks per call (few steps while requests wait to join, `steps` when none waits), so it adds no program. Each step feeds each slot's input token at its
   position, takes float32 logits, selects the next token with the slot's parameters and the key
   `fold_in(key(seed), gen)` (gen = tokens the row generated so far: the static sampler's keys, so both
   engines sample the same tokens), and stops a slot on a stop token or at `max_tokens`.
@@ -80,7 +82,7 @@ def slot_keys(seed_s: jax.Array, gen_s: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, g: jax.random.fold_in(jax.random.key(s), g))(seed_s.astype(jnp.uint32), gen_s)
 
 
-def decode_steps(model, pools: Pools, inp: SlotInputs, steps: int, topk: int, impl: str,
+def decode_steps(model, pools: Pools, inp: SlotInputs, bound: jax.Array, steps: int, topk: int, impl: str,
                  kv_block: int) -> tuple[Pools, StepOutputs]:
     s = inp.token_s.shape[0]
     # before any slot reads its pages; the page ids go to every device (each fsdp replica of the pools copies
@@ -91,7 +93,7 @@ def decode_steps(model, pools: Pools, inp: SlotInputs, steps: int, topk: int, im
     penalized = inp.presence_sv is not None
 
     def cond(state):
-        return (state[0] < steps) & jnp.any(state[4])
+        return (state[0] < jnp.minimum(bound, steps)) & jnp.any(state[4])
 
     def body(state):
         k, pools, token_s, pos_s, active_s, gen_s, tokens_sk, logprobs_sk, hit_s, presence_sv, *top = state

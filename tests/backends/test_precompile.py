@@ -1,0 +1,89 @@
+"""`--precompile` (tx/backends/precompile.py): the shape grid is every shape the planner can produce, and after
+precompiling, random training rounds and sampling batches compile nothing more."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tx
+from tx import types
+from tx.backends.batching import micro_batch_shape, model_pass_shapes, plan_micro_batches
+from tx.backends.precompile import SCRATCH, precompile, sample_slot_counts
+
+MAX_SEQ, BUDGET = 24, 32  # 3 shapes: 2 x 16 and 1 x 16, 1 x 24
+
+
+@pytest.mark.parametrize("max_seq,budget,cap,fsdp", [(48, 128, 0, 1), (100, 0, 6, 2), (300, 1024, 8, 2), (64, 256, 0, 4)])
+def test_shapes_are_what_the_planner_makes(max_seq, budget, cap, fsdp):
+    """Derived independently: every (rows, length) shape a micro-batch of equal-length rows can take within
+    the budget (or one row alone), and every group the planner cuts from random rounds, is in the grid,
+    and every grid shape is one of the former."""
+    grid = {(r, s) for r, s, _ in model_pass_shapes(max_seq, budget, cap, fsdp)}
+    possible = set()
+    for length in range(1, max_seq + 1):
+        for n in range(1, (budget // 16 if budget else cap) + 2):
+            rows, seq = micro_batch_shape([length] * n, fsdp, cap)
+            if n == 1 or not budget or rows * seq <= budget:
+                possible.add((rows, seq))
+    assert grid == possible
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        lengths = rng.integers(1, max_seq + 1, rng.integers(1, 40)).tolist()
+        for group in plan_micro_batches(lengths, budget, cap, fsdp):
+            assert micro_batch_shape([lengths[i] for i in group], fsdp, cap) in grid
+    assert all(n <= max_seq for _, _, n in model_pass_shapes(max_seq, budget, cap, fsdp))
+
+
+def test_unbounded_grid_refused():
+    with pytest.raises(ValueError, match="train_micro_batch_tokens or train_micro_batch_size"):
+        model_pass_shapes(64, 0, 0, 1)
+
+
+def test_sample_slot_counts():
+    assert sample_slot_counts(64, 1) == [1, 2, 4, 8, 16, 32, 64]
+    assert sample_slot_counts(48, 1) == [1, 2, 4, 8, 16, 32, 48]
+    assert sample_slot_counts(8, 4) == [4, 8]
+
+
+def _train(rows_lengths: list[int], model_id: str, rng) -> types.PreparedModelPassBatch:
+    ids = [rng.integers(0, 64, n).tolist() for n in rows_lengths]
+    k = len(ids)
+    return types.PreparedModelPassBatch(
+        all_input_ids=ids, all_targets=ids, all_token_weights=[[1.0] * len(s) for s in ids],
+        all_sampling_logprobs=[[]] * k, all_advantages=[[]] * k, all_model_ids=[model_id] * k,
+        all_loss_fns=["cross_entropy"] * k, all_loss_fn_configs=[None] * k,
+        request_batch_slices=[("fb", model_id, 0, k)])
+
+
+def _sample(n: int, model_id: str, rng) -> types.PreparedSampleBatch:
+    prompts = [rng.integers(3, 64, int(rng.integers(2, 12))).tolist() for _ in range(n)]
+    return types.PreparedSampleBatch(
+        all_prompts=prompts, all_sampling_params=[types.SamplingParams(max_tokens=int(rng.integers(1, 12)), seed=i)
+                                                  for i in range(n)],
+        all_model_ids=[model_id] * n, all_checkpoint_ids=[""] * n, all_checkpoint_paths=[""] * n,
+        request_batch_slices=[(f"s{i}", model_id, i, i + 1, False, 0) for i in range(n)])
+
+
+def test_precompile_leaves_nothing_to_compile(tiny_dirs):
+    backend = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(
+        max_lora_adapters=3, max_lora_rank=4, max_seq_len=MAX_SEQ, train_micro_batch_tokens=BUDGET,
+        max_num_seqs=2, prefill_rows=4, prefill_chunk=16))
+    backend.create_model("tenant", types.LoraConfig(rank=4, seed=1))
+    lora_before = backend.grad_sum_of("tenant")
+    summary = precompile(backend, backend)
+    assert not backend.has_model(SCRATCH)
+    shapes = model_pass_shapes(MAX_SEQ, BUDGET, 0, 1)
+    assert summary["compiled"]["forward_backward"] == 2 * len(shapes)  # grads + accumulate per shape
+    assert summary["sample_slot_counts"] == [1, 2]
+    for k, v in backend.grad_sum_of("tenant").items():  # the tenant's state is untouched
+        np.testing.assert_array_equal(v, lora_before[k])
+    compiled = dict(backend.metrics.compiles)
+    rng = np.random.default_rng(1)
+    for _ in range(4):
+        lengths = rng.integers(1, MAX_SEQ + 1, int(rng.integers(1, 6))).tolist()
+        out = backend.forward_backward(_train(lengths, "tenant", rng))["fb"]
+        assert isinstance(out, types.ForwardBackwardOutput), out
+        res = backend.sample(_sample(int(rng.integers(1, 4)), "tenant", rng))
+        assert all(isinstance(r, types.SampleOutput) for r in res.values()), res
+    assert backend.metrics.compiles == compiled, "a program compiled after --precompile"

@@ -1,0 +1,37 @@
+"""JAX's persistent compilation cache as `python -m tx.run` wires it (tx/runtime.py): a second process with the
+same cache folder reads the programs the first one compiled instead of compiling them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers import one_device_env
+
+ROOT = Path(__file__).parents[1]
+
+
+def _smoke(tmp_path: Path, *flags: str) -> tuple[dict, str]:
+    env = one_device_env() | {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "tx.run", "--job", "smoke", "--steps", "1", *flags], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return lines[-1], proc.stderr
+
+
+def test_second_process_reads_the_programs_of_the_first(tmp_path):
+    cache = tmp_path / "cache"
+    first, log = _smoke(tmp_path, "--compile-cache", str(cache))
+    folders = list(cache.iterdir())
+    assert len(folders) == 1 and folders[0].name.startswith("jax-") and folders[0].name.endswith("-cpu"), folders
+    written = [p for p in folders[0].iterdir() if p.name.endswith("-cache")]
+    assert first["compile_cache"]["hits"] == 0 and first["compile_cache"]["misses"] >= len(written) > 0, first
+    assert f"compilation cache: {folders[0]} (0 programs on disk" in log
+    second, log = _smoke(tmp_path, "--compile-cache", str(cache))
+    assert f"({len(written)} programs on disk" in log
+    assert second["compile_cache"] == {"hits": len(written), "misses": 0}, second
+    assert second["compiles"] == first["compiles"]  # traced as before; XLA's compile is what the cache skips
+

@@ -1,0 +1,99 @@
+"""`--precompile`: compile, at start-up, the programs a configuration implies, so no tenant's call waits for
+a compile later (with the persistent compilation cache, a restart then reads them from disk).
+
+What is compiled, by running each program once on a scratch adapter (created, then deleted; nothing else
+is touched):
+- forward_backward, per loss function given: its "grads" and "accumulate" programs at every padded
+  micro-batch shape (`batching.model_pass_shapes`: lengths bucketed 16, 24, 32, 48, 64, 96, ... up to
+  max_seq_len, so padding stays under 50% with a logarithmic number of shapes; rows in powers of two times
+  the fsdp size within `train_micro_batch_tokens` / `train_micro_batch_size`, since the planner packs rows
+  into micro-batches under that budget).
+- the paged sampling engine: the decode program at every slot count (powers of two times the fsdp size up
+  to `max_num_seqs`: the live rows are padded to one) and the prefill program at the chunk counts those
+  admissions take (powers of 4 up to `prefill_rows`), for rows with the default stops, no top-k log-probs
+  and no repetition penalty.
+Not compiled ahead: `forward` (no gradients), prompt log-probs, top-k sample log-probs, repetition
+penalties and the static engine; they compile at first use (and are cached on disk like every program).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from tx import types
+from tx.backends.batching import model_pass_shapes
+
+logger = logging.getLogger(__name__)
+
+SCRATCH = "__precompile__"
+
+
+def _pow2(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+def sample_slot_counts(max_num_seqs: int, multiple: int) -> list[int]:
+    """The decode slot counts of the paged engine: live rows padded to a power of two (at most
+    `max_num_seqs`), rounded up to the fsdp size."""
+    return sorted({-(-min(_pow2(n), max_num_seqs) // multiple) * multiple for n in range(1, max_num_seqs + 1)})
+
+
+def _train_batch(rows: int, length: int, loss_fn: str, vocab: int, rng: np.random.Generator
+                 ) -> types.PreparedModelPassBatch:
+    ids = rng.integers(0, vocab, (rows, length)).tolist()
+    zeros = [[0.0] * length] * rows
+    return types.PreparedModelPassBatch(
+        all_input_ids=ids, all_targets=ids, all_token_weights=[[1.0] * length] * rows, all_sampling_logprobs=zeros,
+        all_advantages=zeros, all_model_ids=[SCRATCH] * rows, all_loss_fns=[loss_fn] * rows,
+        all_loss_fn_configs=[None] * rows, request_batch_slices=[("precompile", SCRATCH, 0, rows)])
+
+
+def _sample_batch(n: int, prompt_len: int, vocab: int, rng: np.random.Generator) -> types.PreparedSampleBatch:
+    prompts = rng.integers(3, vocab, (n, prompt_len)).tolist()  # distinct: no prefix-cache hits
+    return types.PreparedSampleBatch(
+        all_prompts=prompts, all_sampling_params=[types.SamplingParams(max_tokens=2, seed=i) for i in range(n)],
+        all_model_ids=[SCRATCH] * n, all_checkpoint_ids=[""] * n, all_checkpoint_paths=[""] * n,
+        request_batch_slices=[(f"precompile-{i}", SCRATCH, i, i + 1, False, 0) for i in range(n)])
+
+
+def _failed(results: dict, what: str) -> None:
+    bad = [r for r in results.values() if isinstance(r, types.ErrorResponse)]
+    if bad:
+        raise RuntimeError(f"precompile {what}: {bad[0].error}")
+
+
+def precompile(backend: Any, impl: Any, loss_fns: tuple[str, ...] = ("cross_entropy",)) -> dict:
+    """Run every program the module docstring lists once through `backend` (a JaxBackend, or the
+    DistributedBackend whose calls every host runs); `impl` is the local JaxBackend (its configuration
+    and mesh). Returns what it compiled and how long it took; logs the same."""
+    cfg, fsdp = impl.config, impl.mesh.shape["fsdp"]
+    vocab = impl.model.config.vocab_size
+    shapes = model_pass_shapes(impl.max_seq_len, cfg.train_micro_batch_tokens, cfg.train_micro_batch_size, fsdp)
+    slot_counts = sample_slot_counts(cfg.max_num_seqs, fsdp) if cfg.sample_engine == "paged" else []
+    rng = np.random.default_rng(0)
+    start = time.perf_counter()
+    before = dict(impl.metrics.compiles)
+    backend.create_model(SCRATCH, types.LoraConfig(rank=cfg.max_lora_rank, seed=0))
+    try:
+        work = [(loss, shape) for loss in loss_fns for shape in shapes]
+        for loss, (rows, seq, length) in tqdm(work, desc="precompile forward_backward", disable=None):
+            # 2 x rows rows in two micro-batches of `rows`: the "grads" program, then the "accumulate" one
+            plan = [list(range(rows)), list(range(rows, 2 * rows))]
+            _failed(backend.forward_backward_planned(_train_batch(2 * rows, length, loss, vocab, rng), plan),
+                    f"forward_backward {loss} at {rows} x {seq}")
+        train_s = time.perf_counter() - start
+        prompt_len = max(2, min(cfg.prefill_chunk, impl.max_seq_len - 2))
+        for n in tqdm(slot_counts, desc="precompile sampling", disable=None):
+            _failed(backend.sample(_sample_batch(n, prompt_len, vocab, rng)), f"sampling {n} rows")
+    finally:
+        backend.delete_model(SCRATCH)
+    compiled = {k: v - before.get(k, 0) for k, v in impl.metrics.compiles.items() if v != before.get(k, 0)}
+    summary = {"forward_backward_shapes": len(shapes), "loss_fns": list(loss_fns), "sample_slot_counts": slot_counts,
+               "compiled": compiled, "train_s": round(train_s, 1), "total_s": round(time.perf_counter() - start, 1)}
+    logger.info("precompiled %s", summary)
+    return summary
