@@ -2,6 +2,7 @@
 one-device backends unless a test asks for a mesh."""
 
 import os
+import tempfile
 
 from tests.helpers import cpu_xla_flags, pin_mesh_default
 
@@ -9,6 +10,12 @@ from tests.helpers import cpu_xla_flags, pin_mesh_default
 # tests run on this CPU.
 os.environ.setdefault("XLA_FLAGS", cpu_xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the session, its xdist workers and every subprocess (servers, hosts of
+# multi-host runs): a program that several tests compile is compiled once. With a size bound JAX locks the
+# folder for each read and write, so processes share it safely.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "tx-tests-compile-cache"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 

@@ -14,7 +14,8 @@ from tx.backends.precompile import SCRATCH, precompile, sample_slot_counts
 MAX_SEQ, BUDGET = 24, 32  # 3 shapes: 2 x 16 and 1 x 16, 1 x 24
 
 
-@pytest.mark.parametrize("max_seq,budget,cap,fsdp", [(48, 128, 0, 1), (100, 0, 6, 2), (300, 1024, 8, 2), (64, 256, 0, 4)])
+@pytest.mark.parametrize("max_seq,budget,cap,fsdp",
+                         [(48, 128, 0, 1), (100, 0, 6, 2), (300, 1024, 8, 2), (64, 256, 0, 4)])
 def test_shapes_are_what_the_planner_makes(max_seq, budget, cap, fsdp):
     """Derived independently: every (rows, length) shape a micro-batch of equal-length rows can take within
     the budget (or one row alone), and every group the planner cuts from random rounds, is in the grid,

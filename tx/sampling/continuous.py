@@ -11,8 +11,8 @@ between device calls (`tx.sampling.paged_calls` packs them into the device calls
   one prefill call (`prefill_rows` chunks of `prefill_chunk` tokens at fixed absolute positions, so a long
   prompt never stalls the decoding rows for more than one chunk) and one decode call over the live rows: of
   up to `decode_steps_per_call` steps while requests wait to join, else up to `max_decode_steps_per_call`
-  (one device loop either way, ending early once every row has stopped). A row leaves its slot the call it stops, its pages are
-  freed, and the next waiting row takes the slot.
+  (one device loop either way, ending early once every row has stopped). A row leaves its slot the call
+  it stops, its pages are freed, and the next waiting row takes the slot.
 - **Pages on demand, preemption by recompute.** A row holds pages for the tokens it has written plus the
   next call's. Before a decode call every live row, oldest first, gets the pages that call can write;
   when the pool runs out the youngest rows are preempted: their pages are released (published to the

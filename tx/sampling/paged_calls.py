@@ -115,7 +115,8 @@ class PagedDevice:
                                                                                          penalized))))
         key = ("sample_decode", s, self.steps, stop_width, topk, penalized)
         self.pools, out = self._call("sample_decode", key, decode_steps, self.backend.model, self._pools(), inp,
-                                     np.int32(bound), steps=self.steps, topk=topk, impl=self.impl, kv_block=self.kv_block)
+                                     np.int32(bound), steps=self.steps, topk=topk, impl=self.impl,
+                                     kv_block=self.kv_block)
         from tx.models.sharding import to_host
 
         tokens_sk, logprobs_sk, new_s, done_s, hit_s, top_ids, top_lps = [None if x is None else to_host(x)

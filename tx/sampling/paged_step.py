@@ -7,10 +7,11 @@
 - `decode_steps`: first the copies newly admitted slots need (one pair per slot, no program of its own),
   then up to `bound` tokens for every active slot, in one `lax.while_loop` that also ends once every slot
   has stopped. `steps` (static) sizes the output buffers; `bound` <= `steps` is a traced value the host
-  picks per call (few steps while requests wait to join, `steps` when none waits), so it adds no program. Each step feeds each slot's input token at its
-  position, takes float32 logits, selects the next token with the slot's parameters and the key
-  `fold_in(key(seed), gen)` (gen = tokens the row generated so far: the static sampler's keys, so both
-  engines sample the same tokens), and stops a slot on a stop token or at `max_tokens`.
+  picks per call (few steps while requests wait to join, `steps` when none waits), so it adds no program.
+  Each step feeds each slot's input token at its position, takes float32 logits, selects the next token
+  with the slot's parameters and the key `fold_in(key(seed), gen)` (gen = tokens the row generated so far:
+  the static sampler's keys, so both engines sample the same tokens), and stops a slot on a stop token or
+  at `max_tokens`.
 
 All shapes are fixed by the engine's configuration (slot bucket, steps, stop width, top-k width), never by
 request values. The pools are donated: they are updated in place.
