@@ -87,6 +87,18 @@ def test_calls_run_long_unless_a_request_waits_and_share_one_program(tiny_dirs, 
     assert one.metrics.compiles["sample_decode"] == 1
 
 
+def test_a_request_prefilled_in_an_iteration_decodes_in_it(backend):
+    """Prefill and the first decode call in one iteration: a short request on an idle engine is done after one
+    `sample_step` (prefill, then 3 tokens in one 4-step call), with the tokens it samples alone."""
+    fresh = [11, 12, 13, 14, 15, 16, 17]  # a prompt no other test sends: not in the prefix cache
+    short = ("short", "a", [(fresh, SP(max_tokens=3, temperature=1.0, seed=5, stop=[]))] * 2, False, 0)
+    before = backend.metrics.sampling["prefill_tokens"]
+    out, steps_of = drive_steps(backend, [sample_batch([short])])
+    assert backend.metrics.sampling["prefill_tokens"] - before == len(fresh) - 1  # it was prefilled, not cached
+    assert steps_of["short"] == 0
+    same(out["short"], alone(backend, [short])["short"])
+
+
 def test_a_tiny_pool_preempts_and_every_request_finishes_correctly(tiny_dirs, backend):
     """The minimum pool (one longest prompt + one longest row) with 16 slots: rows grow until pages run out,
     the youngest are preempted, resumed later from their tokens so far, and sample exactly the same tokens."""

@@ -9,10 +9,11 @@ between device calls (`tx.sampling.paged_calls` packs them into the device calls
   is the shared prompt once plus each row's own tokens.
 - **Continuous batching.** A fixed number of decode slots (`max_num_seqs`). Every iteration runs at most
   one prefill call (`prefill_rows` chunks of `prefill_chunk` tokens at fixed absolute positions, so a long
-  prompt never stalls the decoding rows for more than one chunk) and one decode call over the live rows: of
-  up to `decode_steps_per_call` steps while requests wait to join, else up to `max_decode_steps_per_call`
-  (one device loop either way, ending early once every row has stopped). A row leaves its slot the call
-  it stops, its pages are freed, and the next waiting row takes the slot.
+  prompt never stalls the decoding rows for more than one chunk), gives the rows of the prompts it
+  completes free slots at once (their first token comes from the same iteration), and runs one decode call
+  over the live rows: of up to `decode_steps_per_call` steps while requests wait to join, else up to
+  `max_decode_steps_per_call` (one device loop either way, ending early once every row has stopped). A row
+  leaves its slot the call it stops, its pages are freed, and the next waiting row takes the slot.
 - **Pages on demand, preemption by recompute.** A row holds pages for the tokens it has written plus the
   next call's. Before a decode call every live row, oldest first, gets the pages that call can write;
   when the pool runs out the youngest rows are preempted: their pages are released (published to the
@@ -219,7 +220,6 @@ class PagedEngine:
         self.call_steps = self.steps  # admissions reserve pages for a short call
         self._admit_groups()
         self._admit_rows()
-        self._choose_call_steps()
         self.stats["peak_pages"] = max(self.stats["peak_pages"], self.pages.in_use)
         if self.prefilling:
             self.device.prefill(self.prefilling)
@@ -227,6 +227,10 @@ class PagedEngine:
                 self.prefilling.remove(g)
                 self.ready.append(g)
                 self._publish(g.identity, g.prompt[: g.prefix], g.pages)
+            # rows whose prompt this call finished take free slots now: their first token comes from this
+            # iteration's decode call, not one host round trip later
+            self._admit_rows()
+        self._choose_call_steps()
         if self.live:
             self._grow()
             self.stats["peak_pages"] = max(self.stats["peak_pages"], self.pages.in_use)
