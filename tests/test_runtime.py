@@ -1,5 +1,6 @@
 """JAX's persistent compilation cache as `python -m tx.run` wires it (tx/runtime.py): a second process with the
-same cache folder reads the programs the first one compiled instead of compiling them."""
+same cache folder reads the programs the first one compiled instead of compiling them; `--precompile` as
+wired there: the smoke job's own calls compile nothing more."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import sys
 from pathlib import Path
 
 from tests.helpers import one_device_env
+from tx.backends.batching import model_pass_shapes
+from tx.backends.precompile import sample_slot_counts
 
 ROOT = Path(__file__).parents[1]
 
@@ -22,15 +25,23 @@ def _smoke(tmp_path: Path, *flags: str) -> tuple[dict, str]:
     return lines[-1], proc.stderr
 
 
+# a small grid: 4 forward_backward shapes (the smoke job's 8 x 32 tokens run as 8 micro-batches of 1 x 32), 2 slot
+# counts
+PRECOMPILE = ("--precompile", "--max-seq-len", "32", "--train-micro-batch-tokens", "32", "--max-num-seqs", "2")
+
+
 def test_second_process_reads_the_programs_of_the_first(tmp_path):
     cache = tmp_path / "cache"
-    first, log = _smoke(tmp_path, "--compile-cache", str(cache))
+    first, log = _smoke(tmp_path, "--compile-cache", str(cache), *PRECOMPILE)
+    assert "precompiled" in log
+    assert first["compiles"]["forward_backward"] == 2 * len(model_pass_shapes(32, 32, 0, 1))  # grads + accumulate
+    assert first["compiles"]["sample_decode"] == len(sample_slot_counts(2, 1))
     folders = list(cache.iterdir())
     assert len(folders) == 1 and folders[0].name.startswith("jax-") and folders[0].name.endswith("-cpu"), folders
     written = [p for p in folders[0].iterdir() if p.name.endswith("-cache")]
     assert first["compile_cache"]["hits"] == 0 and first["compile_cache"]["misses"] >= len(written) > 0, first
     assert f"compilation cache: {folders[0]} (0 programs on disk" in log
-    second, log = _smoke(tmp_path, "--compile-cache", str(cache))
+    second, log = _smoke(tmp_path, "--compile-cache", str(cache), *PRECOMPILE)
     assert f"({len(written)} programs on disk" in log
     assert second["compile_cache"] == {"hits": len(written), "misses": 0}, second
     assert second["compiles"] == first["compiles"]  # traced as before; XLA's compile is what the cache skips
