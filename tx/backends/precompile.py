@@ -27,20 +27,16 @@ from tqdm import tqdm
 
 from tx import types
 from tx.backends.batching import model_pass_shapes
+from tx.sampling.paged_calls import slot_count
 
 logger = logging.getLogger(__name__)
 
 SCRATCH = "__precompile__"
 
 
-def _pow2(n: int) -> int:
-    return 1 << (max(1, n) - 1).bit_length()
-
-
 def sample_slot_counts(max_num_seqs: int, multiple: int) -> list[int]:
-    """The decode slot counts of the paged engine: live rows padded to a power of two (at most
-    `max_num_seqs`), rounded up to the fsdp size."""
-    return sorted({-(-min(_pow2(n), max_num_seqs) // multiple) * multiple for n in range(1, max_num_seqs + 1)})
+    """Every decode slot count of the paged engine (`paged_calls.slot_count` of 1 .. max_num_seqs live rows)."""
+    return sorted({slot_count(n, max_num_seqs, multiple) for n in range(1, max_num_seqs + 1)})
 
 
 def _train_batch(rows: int, length: int, loss_fn: str, vocab: int, rng: np.random.Generator

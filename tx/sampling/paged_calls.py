@@ -25,6 +25,13 @@ def pow2(n: int) -> int:
     return 1 << (max(1, n) - 1).bit_length()
 
 
+def slot_count(live: int, max_num_seqs: int, fsdp: int) -> int:
+    """Decode slots of a call with `live` rows: a power of two (at most `max_num_seqs`), rounded up to the
+    fsdp size."""
+    s = min(pow2(live), max_num_seqs)
+    return -(-s // fsdp) * fsdp
+
+
 def pow4(n: int) -> int:
     p = 1
     while p < n:
@@ -105,8 +112,7 @@ class PagedDevice:
         """One call of up to `bound` steps (<= `max_decode_steps_per_call`: a traced value, one program) for
         the live rows; appends what each sampled to its result and advances its position. Whether each row
         ended."""
-        s = min(pow2(len(live)), self.slots)
-        s = -(-s // self.fsdp) * self.fsdp
+        s = slot_count(len(live), self.slots, self.fsdp)
         topk = self.topk_width if any(lv.row.spec.options.topk_sample_logprobs for lv in live) else 0
         stop_width = max(8, pow2(max(len(lv.row.spec.stop_tokens) for lv in live)))
         # the repetition penalty's token sets, sent only when a row uses one (a program of its own)
