@@ -18,6 +18,7 @@ import json
 import os
 import statistics
 import time
+import zlib
 from pathlib import Path
 
 from setup_models import write
@@ -75,6 +76,7 @@ def main() -> None:
     p.add_argument("--batches", default="1,64")
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--steps-per-call", type=int, default=8)
+    p.add_argument("--tag", default="", help="names this variant's traces (e.g. the XLA flags tried)")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args()
     import jax
@@ -91,7 +93,7 @@ def main() -> None:
     log = open(out / "profile.jsonl", "a")
 
     def emit(row: dict) -> None:
-        row = {"steps_per_call": args.steps_per_call, "model": args.model, "jax": jax.__version__,
+        row = {"tag": args.tag, "steps_per_call": args.steps_per_call, "model": args.model, "jax": jax.__version__,
                "device": jax.devices()[0].device_kind, "xla_flags": os.environ.get("XLA_FLAGS", ""), **row}
         print(json.dumps(row), flush=True)
         log.write(json.dumps(row) + "\n")
@@ -110,10 +112,13 @@ def main() -> None:
     backend.create_model("m0", types.LoraConfig(rank=rank, alpha=2.0 * rank, seed=0))
     rng = np.random.default_rng(0)
     for b in batches:
+        last: dict = {}
+
         def run(tokens: int) -> float:
             prompts = rng.integers(3, shape["vocab_size"], (b, plen)).tolist()
             t0 = time.perf_counter()
-            got = generated_tokens(backend.sample(sample_batch(prompts, [tokens] * b, "m0")))
+            last["out"] = backend.sample(sample_batch(prompts, [tokens] * b, "m0"))
+            got = generated_tokens(last["out"])
             assert got == b * tokens, (got, b * tokens)
             return time.perf_counter() - t0
 
@@ -121,12 +126,19 @@ def main() -> None:
         prefill = statistics.median(run(1) for _ in range(3))
         total = statistics.median(run(args.new) for _ in range(3))
         step_ms = (total - prefill) / (args.new - 1) * 1e3
-        trace_dir = out / f"trace_b{b}_k{args.steps_per_call}"
+        trace_dir = out / f"trace_b{b}_k{args.steps_per_call}{'_' + args.tag if args.tag else ''}"
         with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
             traced = run(args.new)
+        # the same seeded prompts in every variant: equal checksums = the same greedy tokens
+        tokens = [s.tokens for _, o in sorted(last["out"].items()) for s in o.sequences]
+        crc = zlib.crc32(json.dumps(tokens).encode())
+        try:
+            summary = summarise(trace_dir, args.new)
+        except Exception as exc:  # the timings above still count; the raw trace stays for reading by hand
+            summary = {"summary_error": f"{type(exc).__name__}: {exc}"[:300]}
         emit({"what": "decode", "batch": b, "new": args.new, "prefill_ms": round(prefill * 1e3, 2),
               "total_ms": round(total * 1e3, 2), "step_ms": round(step_ms, 3), "traced_total_ms": round(traced * 1e3, 2),
-              "tokens_per_s": round(b / step_ms * 1e3, 1), **summarise(trace_dir, args.new)})
+              "tokens_per_s": round(b / step_ms * 1e3, 1), "tokens_crc32": crc, **summary})
         for f in trace_dir.rglob("*"):
             if f.is_file() and not f.name.startswith("perfetto"):
                 f.unlink()  # keep only the perfetto trace (the xplane is large)

@@ -9,7 +9,7 @@ import pytest
 import tx
 from tx import types
 from tx.backends.batching import micro_batch_shape, model_pass_shapes, plan_micro_batches
-from tx.backends.precompile import SCRATCH, precompile, sample_slot_counts
+from tx.backends.precompile import SCRATCH, decode_block_prompts, precompile, sample_slot_counts
 
 MAX_SEQ, BUDGET = 24, 32  # 3 shapes: 2 x 16 and 1 x 16, 1 x 24
 
@@ -45,6 +45,46 @@ def test_sample_slot_counts():
     assert sample_slot_counts(64, 1) == [1, 2, 4, 8, 16, 32, 64]
     assert sample_slot_counts(48, 1) == [1, 2, 4, 8, 16, 32, 48]
     assert sample_slot_counts(8, 4) == [4, 8]
+
+
+@pytest.mark.parametrize("max_seq,page,kv_block", [(24, 4, 8), (96, 4, 8), (4096, 16, 64), (100, 16, 16)])
+def test_decode_block_prompts_reach_every_bucket_first(max_seq, page, kv_block):
+    """Derived by brute force: the block count of a decode call whose furthest input is at each position an
+    input can take (0 .. max_seq - 2), a power of two at most what the table spans; the prompts are the
+    first length (>= 2) reaching each count, with 2 new tokens (the furthest input sits at the length)."""
+    span = (-(-max_seq // page) + 1) * page  # table pages, one spare, in tokens
+    count = {pos: min(1 << (pos // kv_block).bit_length(), -(-span // kv_block)) for pos in range(max_seq - 1)}
+    first = {}
+    for pos in range(2, max_seq - 1):
+        first.setdefault(count[pos], pos)
+    assert decode_block_prompts(max_seq, page, kv_block) == sorted(first.values())
+    assert {count[p] for p in range(max_seq - 1)} <= {count[p] for p in first.values()} | {1}
+
+
+def test_precompile_covers_the_decode_block_buckets(tiny_dirs):
+    """`paged_kv_blocks="bucketed"` (GPUs'): every slot count at every block bucket is compiled ahead, so
+    random sampling after it compiles nothing."""
+    backend = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(
+        max_lora_adapters=3, max_lora_rank=4, max_seq_len=MAX_SEQ, train_micro_batch_tokens=BUDGET,
+        max_num_seqs=2, prefill_rows=4, prefill_chunk=8, kv_page_size=4, kv_block=8, paged_kv_blocks="bucketed",
+        max_num_samples=1))
+    backend.create_model("tenant", types.LoraConfig(rank=4, seed=1))
+    summary = precompile(backend, backend)
+    assert summary["decode_block_prompts"] == [2, 8, 16]  # blocks 1, 2, 4 (a 28-token table spans 4)
+    compiled = dict(backend.metrics.compiles)
+    assert compiled["sample_decode"] == 2 * 3  # 2 slot counts x 3 buckets
+    rng = np.random.default_rng(2)
+    for _ in range(6):
+        n = int(rng.integers(1, 3))
+        prompts = [rng.integers(3, 64, int(rng.integers(2, 20))).tolist() for _ in range(n)]
+        batch = types.PreparedSampleBatch(
+            all_prompts=prompts, all_sampling_params=[types.SamplingParams(max_tokens=MAX_SEQ - len(p), seed=i)
+                                                      for i, p in enumerate(prompts)],
+            all_model_ids=["tenant"] * n, all_checkpoint_ids=[""] * n, all_checkpoint_paths=[""] * n,
+            request_batch_slices=[(f"s{i}", "tenant", i, i + 1, False, 0) for i in range(n)])
+        res = backend.sample(batch)
+        assert all(isinstance(r, types.SampleOutput) for r in res.values()), res
+    assert backend.metrics.compiles == compiled, "a program compiled after --precompile"
 
 
 def _train(rows_lengths: list[int], model_id: str, rng) -> types.PreparedModelPassBatch:

@@ -91,6 +91,41 @@ def test_rows_are_bit_identical_whatever_the_batch_and_width(impl):
     np.testing.assert_array_equal(np.asarray(wide[0]), np.asarray(narrow[0]))
 
 
+@pytest.mark.parametrize("t", [1, 3])
+def test_a_static_block_count_matches_numpy_and_the_device_found_count(t):
+    """`kv_blocks` (the host's count, as the engine picks on GPUs): exactly the blocks needed, one more, and
+    more blocks than the table spans (it is padded with the trash page) give every row numpy's attention,
+    and the same bits as the count the device finds: the extra blocks are fully masked no-ops."""
+    lengths = [13, 3, 22]
+    q, k_pool, v_pool, table, q_pos = make_case(5, lengths, t, width=6)
+    fn = jax.jit(paged_attention, static_argnames=("impl", "kv_block", "scale", "kv_blocks"))
+    found = fn(q, k_pool, v_pool, 1, table, q_pos, scale=0.3, impl="blocked", kv_block=4)
+    needed = int(q_pos.max()) // 4 + 1  # 6 blocks of 4 tokens; the table spans 6 pages of 4
+    for kv_blocks in (needed, needed + 1, needed + 3):
+        out = fn(q, k_pool, v_pool, 1, table, q_pos, scale=0.3, impl="blocked", kv_block=4, kv_blocks=kv_blocks)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(found))
+        for b, n in enumerate(lengths):
+            want = numpy_attention(np.asarray(q[b], np.float64), unpaged(k_pool, 1, table[b], n),
+                                   unpaged(v_pool, 1, table[b], n), np.asarray(q_pos[b]), 0.3)
+            np.testing.assert_allclose(np.asarray(out[b]), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_static_block_count_is_a_loop_of_known_count():
+    """The reason for `kv_blocks`: its program has no loop whose trip count depends on data (XLA on a GPU
+    runs such a loop by copying its condition to the host at every iteration), while the device-found
+    count's program has one."""
+    q, k_pool, v_pool, table, q_pos = make_case(6, [9, 5], 1, width=4)
+
+    def whiles(**kw) -> list[str]:
+        fn = jax.jit(partial(paged_attention, scale=0.3, impl="blocked", kv_block=4, **kw))
+        hlo = fn.lower(q, k_pool, v_pool, 0, table, q_pos).compile().as_text()
+        return [line for line in hlo.splitlines() if " while(" in line]
+
+    assert any("known_trip_count" not in w for w in whiles())
+    # every loop left (XLA may also unroll it) runs a count known when compiled
+    assert all("known_trip_count" in w for w in whiles(kv_blocks=4)), whiles(kv_blocks=4)
+
+
 def test_writes_land_in_their_pages_and_padding_in_the_trash_page():
     pool = jnp.zeros((L, PAGES, P, KV, D))
     table = jnp.asarray([[5, 9, 0], [7, 0, 0]], jnp.int32)

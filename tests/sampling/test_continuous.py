@@ -65,6 +65,60 @@ def test_requests_joining_a_running_batch_sample_what_they_sample_alone(backend)
     assert steps_of["short"] - 3 <= 3 < steps_of["long"] - steps_of["short"]
 
 
+def _free_sample(backend) -> list[int]:
+    free = ("free", "a", [(PROMPTS[2], SP(max_tokens=60, temperature=1.0, seed=9, stop=[]))], False, 0)
+    return alone(backend, [free])["free"].sequences[0].tokens
+
+
+def _with_stop(backend, stop: str) -> tuple[types.GeneratedSequence, int]:
+    """The free sample's request with `stop`: its sequence, and the tokens the engine decoded for it."""
+    stats = backend._sampler._paged.stats
+    before = stats["decode_tokens"]
+    request = ("stop", "a", [(PROMPTS[2], SP(max_tokens=60, temperature=1.0, seed=9, stop=[stop]))], False, 0)
+    return alone(backend, [request])["stop"].sequences[0], stats["decode_tokens"] - before
+
+
+def _contains(tokens: list[int], seq: list[int]) -> bool:
+    return any(tokens[i:i + len(seq)] == seq for i in range(len(tokens) - len(seq) + 1))
+
+
+def test_a_row_ends_at_the_call_that_completes_a_stop_string(backend):
+    """A stop string the model writes with other tokens than the tokenizer's own (so the device cannot see
+    it) ends its row after the decode call that completes it, not at max_tokens: the answer is the free
+    sample cut after the first prefix whose text contains the stop (found here by decoding every prefix),
+    and the engine decoded at most one call (4 steps) past it."""
+    tokens, sampler = _free_sample(backend), backend._sampler
+    for end in range(8, 40):
+        stop = sampler.decode_text(tokens[:end])[-3:]  # three characters the sample writes by its end-th token
+        if len(stop.strip()) == 3 and not _contains(tokens, sampler.encode_text(stop)):
+            break
+    else:
+        pytest.fail("no stop string the device cannot see in the sample")
+    cut = next(n for n in range(1, len(tokens) + 1) if stop in sampler.decode_text(tokens[:n]))
+    got, decoded = _with_stop(backend, stop)
+    assert (got.tokens, got.stop_reason) == (tokens[:cut], "stop")
+    assert cut <= decoded < cut + 4, (decoded, cut)
+
+
+def test_a_stop_string_in_the_tokenizers_own_tokens_ends_its_row_on_the_device(backend):
+    """A stop string written as the tokenizer writes it (2-3 tokens) is matched on the device, over the
+    row's last generated tokens carried through the decode loop: the row ends at the token that completes
+    it, mid-call, and the answer equals the host's cut."""
+    tokens, sampler = _free_sample(backend), backend._sampler
+    for start in range(6, 40):
+        seq = tokens[start:start + 3]
+        stop = sampler.decode_text(seq)
+        if sampler.encode_text(stop) == seq and stop not in sampler.decode_text(tokens[:start + 2]):
+            break
+    else:
+        pytest.fail("no 3 tokens of the sample that the tokenizer writes the same way")
+    cut = next(n for n in range(1, len(tokens) + 1) if stop in sampler.decode_text(tokens[:n]))
+    assert cut == start + 3
+    got, decoded = _with_stop(backend, stop)
+    assert (got.tokens, got.stop_reason) == (tokens[:cut], "stop")
+    assert decoded == cut, (decoded, cut)
+
+
 def test_calls_run_long_unless_a_request_waits_and_share_one_program(tiny_dirs, backend):
     """With nothing waiting a call runs up to max_decode_steps_per_call (32) steps; while a request waits for
     the one slot, decode_steps_per_call (4). The bound is traced: one decode program for both, and the

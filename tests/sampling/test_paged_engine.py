@@ -88,6 +88,54 @@ def test_small_pool_and_few_slots_wait_and_give_the_same_tokens(tiny_dirs, engin
     assert tight._sampler._paged.stats["peak_pages"] <= 50
 
 
+def test_bucketed_block_counts_give_the_same_tokens_in_few_programs(tiny_dirs, engines, monkeypatch):
+    """`paged_kv_blocks="bucketed"` (GPUs' default): the host picks each call's attention block count, a power
+    of two; the same requests sample the same tokens and log-probs as the device-found count (the extra blocks
+    are masked no-ops), each program's count covers its rows, and the programs grow by the buckets only."""
+    _, dynamic = engines
+    assert dynamic._sampler._paged.device.kv_blocks(40) is None  # "auto" on CPU: the device finds the count
+    import tx.kernels.paged_attention as kernels
+
+    traced = []  # the block count each traced attention call of the engine's programs got
+
+    def recording(*args, **kw):  # (q, k_pool, v_pool, layer, table, q_pos, scale, kv_block, kv_blocks)
+        traced.append(args[8] if len(args) > 8 else kw.get("kv_blocks"))
+        return blocked(*args, **kw)
+
+    blocked = kernels.blocked_paged_attention
+    monkeypatch.setattr(kernels, "blocked_paged_attention", recording)
+    config = tx.JaxBackendConfig(**BASE, **PAGED, paged_kv_blocks="bucketed")
+    bucketed = tx.JaxBackend(tiny_dirs["dense"], config)
+    bucketed.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
+    slot = dynamic.models["a"].adapter_index
+    set_adapter_weights(bucketed.model, slot, get_adapter_weights(dynamic.model, slot, 4), alpha=8, rank=4)
+    requests = requests_mixed() + [
+        ("long", "", [(list(range(3, 80)), SP(max_tokens=14, temperature=0.0, stop=[]))], False, 0)]
+    want, got = dynamic.sample(sample_batch(requests)), bucketed.sample(sample_batch(requests))
+    for request_id, *_ in requests:
+        assert [s.tokens for s in want[request_id].sequences] == [s.tokens for s in got[request_id].sequences]
+        for x, y in zip(want[request_id].sequences, got[request_id].sequences):
+            # the same arithmetic, fused by XLA into another program: a few ulp at most
+            np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=1e-6, atol=1e-6)
+    keys = [k for k in bucketed._fns if k[0] == "sample_decode"]
+    blocks = {k[-1] for k in keys}
+    # tables of 25 pages of 4 tokens span 13 blocks of 8; the long row (77 + 14 tokens) needs 12: all 13 run
+    assert blocks <= {1, 2, 4, 8, 13} and 13 in blocks, keys
+    # wired down to the kernel: the decode programs' attention ran each program's count; prefill's found its own
+    assert set(traced) == blocks | {None}, (set(traced), blocks)
+    device = bucketed._sampler._paged.device
+    assert [device.kv_blocks(p) for p in (0, 7, 8, 23, 24, 64, 95)] == [1, 1, 2, 4, 4, 13, 13]
+    with pytest.raises(ValueError, match="paged_kv_blocks='bucketed' applies to paged_attention_impl='blocked'"):
+        tx.JaxBackendConfig(**BASE, **PAGED, paged_kv_blocks="bucketed", paged_attention_impl="reference")
+
+
+def test_kv_blocks_auto_means_bucketed_on_gpus_only():
+    from tx.sampling.paged_calls import kv_blocks_bucketed
+
+    assert [kv_blocks_bucketed("auto", p) for p in ("cpu", "tpu", "cuda", "rocm")] == [False, False, True, True]
+    assert kv_blocks_bucketed("bucketed", "cpu") and not kv_blocks_bucketed("dynamic", "cuda")
+
+
 def test_topk_sample_logprobs_and_programs_stay_bounded(engines):
     static, paged = engines
     params = SP(max_tokens=6, temperature=1.0, seed=2, stop=[])

@@ -105,6 +105,13 @@ class JaxBackendConfig(BaseModel):
         "blocked", description="paged engine: attention over pages ('blocked': XLA online softmax over KV blocks; "
         "'reference' gathers every page: the oracle; 'pallas': the ragged paged attention Pallas kernel, for TPU, "
         "interpreted (slow) elsewhere)")
+    paged_kv_blocks: Literal["auto", "dynamic", "bucketed"] = Field(
+        "auto", description="paged engine, 'blocked' attention: how many KV blocks a decode call's attention "
+        "loops over. 'dynamic': what the longest row needs, found on the device (a data-dependent loop, which XLA "
+        "runs on a GPU by waiting for the host at every block of every layer of every step); 'bucketed': what the "
+        "longest row reaches by the call's end, chosen by the host and rounded up to a power of two (a loop of "
+        "known count; one decode program per bucket; up to 2x the KV reads); 'auto': bucketed on GPUs, dynamic "
+        "elsewhere. Prefill calls always find the count on the device")
     prefix_cache: bool = Field(True, description="paged engine: reuse the KV pages of prompt prefixes seen "
                                "before with the same weights (full pages, least recently used evicted first)")
     kv_block: int = Field(64, ge=1, description="paged engine: tokens per attention block (a multiple of "
@@ -179,6 +186,9 @@ class JaxBackendConfig(BaseModel):
                              "mixed_precision.param_dtype")
         if self.kv_block % self.kv_page_size:
             raise ValueError(f"kv_block={self.kv_block} must be a multiple of kv_page_size={self.kv_page_size}")
+        if self.paged_kv_blocks == "bucketed" and self.paged_attention_impl != "blocked":
+            raise ValueError(f"paged_kv_blocks='bucketed' applies to paged_attention_impl='blocked' only "
+                             f"(paged_attention_impl={self.paged_attention_impl!r})")
         if sum(getattr(self, name) == AUTO for name in MESH_FIELDS.values()) > 1:
             resolve_mesh_shape(*self.mesh_sizes(), num_devices=1)  # raises, naming the -1 fields
         if self.training_mode == "full":

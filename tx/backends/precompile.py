@@ -11,7 +11,9 @@ is touched):
 - the paged sampling engine: the decode program at every slot count (powers of two times the fsdp size up
   to `max_num_seqs`: the live rows are padded to one) and the prefill program at the chunk counts those
   admissions take (powers of 4 up to `prefill_rows`), for rows with the default stops, no top-k log-probs
-  and no repetition penalty.
+  and no repetition penalty. Where the host picks the attention's block count (`paged_kv_blocks`,
+  bucketed on GPUs), every slot count at every block bucket: rows of one prompt per bucket, long enough
+  to reach it (the prompt is prefilled once per bucket and then read from the prefix cache).
 Not compiled ahead: `forward` (no gradients), prompt log-probs, top-k sample log-probs, repetition
 penalties and the static engine; they compile at first use (and are cached on disk like every program).
 """
@@ -27,7 +29,7 @@ from tqdm import tqdm
 
 from tx import types
 from tx.backends.batching import model_pass_shapes
-from tx.sampling.paged_calls import slot_count
+from tx.sampling.paged_calls import block_bucket, kv_blocks_bucketed, slot_count, table_width
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,19 @@ SCRATCH = "__precompile__"
 def sample_slot_counts(max_num_seqs: int, multiple: int) -> list[int]:
     """Every decode slot count of the paged engine (`paged_calls.slot_count` of 1 .. max_num_seqs live rows)."""
     return sorted({slot_count(n, max_num_seqs, multiple) for n in range(1, max_num_seqs + 1)})
+
+
+def decode_block_prompts(max_seq_len: int, page: int, kv_block: int) -> list[int]:
+    """For each attention block bucket a bucketed decode call can run, the shortest prompt whose rows' first
+    decode call runs it when they sample 2 tokens (their furthest input sits at the prompt's length)."""
+    max_blocks = -(-table_width(max_seq_len, page) * page // kv_block)
+    # an input's position is at most max_seq_len - 2 (prompt + max_tokens <= max_seq_len)
+    candidates = [2] + list(range(kv_block, max_seq_len - 1, kv_block)) + [max_seq_len - 2]
+    first: dict[int, int] = {}
+    for length in candidates:
+        if 2 <= length <= max_seq_len - 2:
+            first.setdefault(block_bucket(length, kv_block, max_blocks), length)
+    return sorted(first.values())
 
 
 def _train_batch(rows: int, length: int, loss_fn: str, vocab: int, rng: np.random.Generator
@@ -57,6 +72,16 @@ def _sample_batch(n: int, prompt_len: int, vocab: int, rng: np.random.Generator)
         request_batch_slices=[(f"precompile-{i}", SCRATCH, i, i + 1, False, 0) for i in range(n)])
 
 
+def _one_prompt_batch(n: int, prompt: list[int], per_request: int) -> types.PreparedSampleBatch:
+    """`n` samples of `prompt`, 2 tokens each, in requests of at most `per_request` (`max_num_samples`)
+    samples: `n` decode rows, one prefill per request."""
+    slices = [(f"precompile-{i}", SCRATCH, i, min(i + per_request, n), False, 0) for i in range(0, n, per_request)]
+    return types.PreparedSampleBatch(
+        all_prompts=[prompt] * n, all_sampling_params=[types.SamplingParams(max_tokens=2, seed=0)] * n,
+        all_model_ids=[SCRATCH] * n, all_checkpoint_ids=[""] * n, all_checkpoint_paths=[""] * n,
+        request_batch_slices=slices)
+
+
 def _failed(results: dict, what: str) -> None:
     bad = [r for r in results.values() if isinstance(r, types.ErrorResponse)]
     if bad:
@@ -71,6 +96,9 @@ def precompile(backend: Any, impl: Any, loss_fns: tuple[str, ...] = ("cross_entr
     vocab = impl.model.config.vocab_size
     shapes = model_pass_shapes(impl.max_seq_len, cfg.train_micro_batch_tokens, cfg.train_micro_batch_size, fsdp)
     slot_counts = sample_slot_counts(cfg.max_num_seqs, fsdp) if cfg.sample_engine == "paged" else []
+    bucketed = (slot_counts and cfg.paged_attention_impl == "blocked"
+                and kv_blocks_bucketed(cfg.paged_kv_blocks, impl.model.platform))
+    block_prompts = decode_block_prompts(impl.max_seq_len, cfg.kv_page_size, cfg.kv_block) if bucketed else []
     rng = np.random.default_rng(0)
     start = time.perf_counter()
     before = dict(impl.metrics.compiles)
@@ -86,10 +114,16 @@ def precompile(backend: Any, impl: Any, loss_fns: tuple[str, ...] = ("cross_entr
         prompt_len = max(2, min(cfg.prefill_chunk, impl.max_seq_len - 2))
         for n in tqdm(slot_counts, desc="precompile sampling", disable=None):
             _failed(backend.sample(_sample_batch(n, prompt_len, vocab, rng)), f"sampling {n} rows")
+        prompts = [rng.integers(3, vocab, length).tolist() for length in block_prompts]
+        work = [(n, prompt) for prompt in prompts for n in slot_counts]
+        for n, prompt in tqdm(work, desc="precompile decode block buckets", disable=None):
+            _failed(backend.sample(_one_prompt_batch(n, prompt, cfg.max_num_samples)),
+                    f"sampling {n} rows of a {len(prompt)}-token prompt")
     finally:
         backend.delete_model(SCRATCH)
     compiled = {k: v - before.get(k, 0) for k, v in impl.metrics.compiles.items() if v != before.get(k, 0)}
     summary = {"forward_backward_shapes": len(shapes), "loss_fns": list(loss_fns), "sample_slot_counts": slot_counts,
+               "decode_block_prompts": block_prompts,
                "compiled": compiled, "train_s": round(train_s, 1), "total_s": round(time.perf_counter() - start, 1)}
     logger.info("precompiled %s", summary)
     return summary

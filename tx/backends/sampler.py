@@ -58,12 +58,19 @@ class Sampler:
         self._requests: dict[str, _Request] = {}  # submitted, not finished
         self._finished: dict[str, types.SampleOutput] = {}  # finished, not yet returned by `step`
 
-    def decode_text(self, tokens: list[int]) -> str:
+    def _tokens(self):
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        return self._tokenizer.decode(tokens, skip_special_tokens=False)
+        return self._tokenizer
+
+    def decode_text(self, tokens: list[int]) -> str:
+        return self._tokens().decode(tokens, skip_special_tokens=False)
+
+    def encode_text(self, text: str) -> list[int]:
+        """`text`'s token ids as the tokenizer writes it (no special tokens added)."""
+        return self._tokens().encode(text, add_special_tokens=False)
 
     def _put(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         mesh = self.backend.mesh

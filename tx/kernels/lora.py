@@ -106,7 +106,9 @@ def add_lora_head_delta(
     as slots the groups are the slots and B is used as stored (no gather; extra FLOPs
     `tokens * A * R * o`, A*R / hidden of the base head); with fewer rows (decode, sampling) the groups
     are the rows and B is gathered per row, `b * R * o` < `A * R * o`. The product is added into `logits`
-    in place, `block` columns at a time (`_add_low_rank`), so no `[b, t, o]` delta exists either."""
+    in place, `block` columns at a time (`_add_low_rank`), so no `[b, t, o]` delta exists either; except at
+    one token per row (decode), where the delta is the logits' size and one dot replaces the loop's
+    `o / block` small steps (kernel launches that dominate a decode step on a GPU)."""
     b, t, out = logits_bto.shape
     num_slots, rank, _ = lora_b_aro.shape
     if _one_hot_slots(b, t, num_slots):  # decode: one dot over every slot's B; the delta is the logits' size
@@ -114,6 +116,9 @@ def add_lora_head_delta(
         delta_no = jnp.dot(h_nq, lora_b_aro.astype(jnp.float32).reshape(num_slots * rank, out))
         return logits_bto.astype(jnp.float32) + delta_no.reshape(b, t, out)
     h_btr = _rank_activations(x_bti, adapter_b, lora_a_air) * scale_a[adapter_b][:, None, None].astype(jnp.float32)
+    if t == 1:  # decode with fewer rows than slots: the delta is the logits' size, so one dot over row-own B
+        delta_bo = jnp.einsum("br,bro->bo", h_btr[:, 0], lora_b_aro[adapter_b].astype(jnp.float32))
+        return logits_bto.astype(jnp.float32) + delta_bo[:, None]
     if b >= num_slots:
         group_b, b_gro = adapter_b, lora_b_aro
     else:

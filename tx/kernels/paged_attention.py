@@ -108,8 +108,10 @@ def _decode_values(p_bkgts: jax.Array, v_bskd: jax.Array) -> jax.Array:
 
 
 def blocked_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale: float,
-                            kv_block: int = 128) -> jax.Array:
-    """Online-softmax attention over blocks of `kv_block` tokens (a multiple of the page size)."""
+                            kv_block: int = 128, kv_blocks: int | None = None) -> jax.Array:
+    """Online-softmax attention over blocks of `kv_block` tokens (a multiple of the page size): the blocks
+    the furthest query needs (a loop whose count the device finds), or exactly `kv_blocks` (static, at
+    least that many: a loop of known count, which a GPU runs without asking the host)."""
     b, t, h, d = q_bthd.shape
     page = k_pool.shape[2]
     kv = k_pool.shape[3]
@@ -117,7 +119,7 @@ def blocked_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, s
         raise ValueError(f"kv_block={kv_block} must be a multiple of the page size {page}")
     pages_per_block = kv_block // page
     w = table_bw.shape[1]
-    padded_w = -(-w // pages_per_block) * pages_per_block
+    padded_w = max(-(-w // pages_per_block), kv_blocks or 0) * pages_per_block
     table_bw = jnp.pad(table_bw, ((0, 0), (0, padded_w - w)), constant_values=TRASH_PAGE)
     q_btkgd = q_bthd.reshape(b, t, kv, h // kv, d)
     n_blocks = jnp.max(q_pos_bt) // kv_block + 1  # the blocks the furthest query needs
@@ -143,7 +145,10 @@ def blocked_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, s
     g = h // kv
     init = (jnp.int32(0), jnp.full((b, kv, g, t), _MASKED, jnp.float32), jnp.zeros((b, kv, g, t), jnp.float32),
             jnp.zeros((b, t, kv, g, d), jnp.float32))
-    _, _, l_bkgt, acc_btkgd = jax.lax.while_loop(lambda c: c[0] < n_blocks, body, init)
+    if kv_blocks is None:
+        _, _, l_bkgt, acc_btkgd = jax.lax.while_loop(lambda c: c[0] < n_blocks, body, init)
+    else:  # the extra blocks are fully masked: exact no-ops
+        _, _, l_bkgt, acc_btkgd = jax.lax.fori_loop(0, kv_blocks, lambda _, c: body(c), init)
     out_btkgd = acc_btkgd / jnp.moveaxis(l_bkgt, -1, 1)[..., None]
     return out_btkgd.reshape(b, t, h, d).astype(q_bthd.dtype)
 
@@ -158,14 +163,17 @@ PAGED_ATTENTION_IMPLS: dict[str, PagedAttentionFn] = {
 
 
 def paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale: float, impl: str = "blocked",
-                    kv_block: int = 128, platform: str | None = None) -> jax.Array:
+                    kv_block: int = 128, platform: str | None = None, kv_blocks: int | None = None) -> jax.Array:
     """Causal GQA attention `[b, t, h, d]` of queries at positions `q_pos_bt` over their sequences' pages,
-    in a program built for `platform` (default: JAX's first device's)."""
+    in a program built for `platform` (default: JAX's first device's). `kv_blocks` (static, "blocked"
+    only): loop over that many blocks instead of finding the count on the device."""
     if impl not in PAGED_ATTENTION_IMPLS:
         raise ValueError(f"paged_attention_impl={impl!r} is not one of {', '.join(PAGED_ATTENTION_IMPLS)}")
     if impl == "pallas":
         return pallas_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale, kv_block,
                                       platform=platform)
+    if impl == "blocked":
+        return blocked_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale, kv_block, kv_blocks)
     return PAGED_ATTENTION_IMPLS[impl](q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale, kv_block)
 
 
@@ -173,8 +181,8 @@ def paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale: fl
 class PagedKV:
     """What a layer needs to write and read the paged cache: one stack's pools, the layer's index in it,
     the sequences' page tables and the positions of this call's tokens (`valid_bt` False: padding, written
-    to the trash page). `impl`, `kv_block` and `platform` (the program's; None: JAX's first device's) are
-    static."""
+    to the trash page). `impl`, `kv_block`, `platform` (the program's; None: JAX's first device's) and
+    `kv_blocks` (None: found on the device; see `paged_attention`) are static."""
 
     k_pool: jax.Array
     v_pool: jax.Array
@@ -185,6 +193,7 @@ class PagedKV:
     impl: str = "blocked"
     kv_block: int = 128
     platform: str | None = None
+    kv_blocks: int | None = None
 
     def write(self, k_btkd: jax.Array, v_btkd: jax.Array) -> PagedKV:
         """This cache with this call's keys/values `[b, t, kv, d]` written into its pools (each token at its
@@ -196,7 +205,7 @@ class PagedKV:
     def read(self, q_bthd: jax.Array, scale: float) -> jax.Array:
         """The queries' attention `[b, t, h, d]` over the pools as they are (write first)."""
         return paged_attention(q_bthd, self.k_pool, self.v_pool, self.layer, self.table_bw, self.pos_bt, scale,
-                               self.impl, self.kv_block, self.platform)
+                               self.impl, self.kv_block, self.platform, self.kv_blocks)
 
     def attend(self, q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array,
                scale: float) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -206,4 +215,4 @@ class PagedKV:
 
 
 jax.tree_util.register_dataclass(PagedKV, data_fields=["k_pool", "v_pool", "layer", "table_bw", "pos_bt", "valid_bt"],
-                                 meta_fields=["impl", "kv_block", "platform"])
+                                 meta_fields=["impl", "kv_block", "platform", "kv_blocks"])

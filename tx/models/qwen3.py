@@ -281,12 +281,14 @@ class Qwen3ForCausalLM(nnx.Module):
         table_bw: jax.Array,
         impl: str = "blocked",
         kv_block: int = 128,
+        kv_blocks: int | None = None,
     ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
         """Tokens at `positions_bt` of sequences whose KV pages are `table_bw` (a prefill chunk, or one
         decode token per row): each stack writes their keys/values into its page pools `[L, N, P, kv, d]`
-        and attends over the sequences' pages. Returns final hidden states `[b, t, d]` and the pools."""
-        paged = [PagedKV(k, v, jnp.int32(0), table_bw, positions_bt, valid_bt, impl, kv_block, self.platform)
-                 for k, v in pools]
+        and attends over the sequences' pages (`kv_blocks`: see `paged_attention`). Returns final hidden
+        states `[b, t, d]` and the pools."""
+        paged = [PagedKV(k, v, jnp.int32(0), table_bw, positions_bt, valid_bt, impl, kv_block, self.platform,
+                         kv_blocks) for k, v in pools]
         return self._layers(ids_bt, positions_bt, None, adapter_indices_b, paged, False)
 
     def _layers(self, ids_bt, positions_bt, mask_bts, adapter_b, decode, return_kv):

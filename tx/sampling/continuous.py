@@ -43,7 +43,7 @@ import numpy as np
 
 from tx.sampling.decode import DecodeOutputs
 from tx.sampling.kv_pages import PageTable
-from tx.sampling.paged_calls import PagedDevice
+from tx.sampling.paged_calls import PagedDevice, table_width
 from tx.sampling.requests import SampleRow
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ class PagedEngine:
         self.backend = sampler.backend
         cfg = self.backend.config
         self.page = cfg.kv_page_size
-        self.width = -(-self.backend.max_seq_len // self.page) + 1
+        self.width = table_width(self.backend.max_seq_len, self.page)
         self.num_pages = cfg.kv_cache_pages or self._auto_pages(cfg.max_num_seqs)
         if self.num_pages < 2 * self.width + 1:
             raise ValueError(f"kv_cache_pages={self.num_pages} is below {2 * self.width + 1}: the pool must hold one "
@@ -236,9 +236,23 @@ class PagedEngine:
             self.stats["peak_pages"] = max(self.stats["peak_pages"], self.pages.in_use)
         if self.live:
             live = list(self.live)
-            for lv, done in zip(live, self.device.decode(live, self.call_steps)):
-                if done:
+            before = [len(lv.row.result.tokens) for lv in live]
+            for lv, done, start in zip(live, self.device.decode(live, self.call_steps), before):
+                if done or self._hit_stop_string(lv, start):
                     self._finish(lv)
+
+    def _hit_stop_string(self, lv: _Live, start: int) -> bool:
+        """Whether the tokens `lv` sampled from index `start` on complete one of its stop strings: the row then
+        ends after this call instead of running to max_tokens (its answer is cut at the stop when assembled,
+        `outputs.sequence_of`). The text checked is the new tokens' and enough earlier ones for the longest
+        stop (a token is at least one byte; twice that and a few more for a character split over tokens)."""
+        stops = lv.row.spec.stop_strings
+        if not stops:
+            return False
+        tokens = lv.row.result.tokens
+        back = 2 * max(len(stop.encode()) for stop in stops) + 4
+        text = self.sampler.decode_text(tokens[max(0, start - back):])
+        return any(stop in text for stop in stops)
 
     def _choose_call_steps(self) -> None:
         """This iteration's decode bound: `max_decode_steps_per_call` when no request waits to join and the

@@ -32,6 +32,23 @@ def slot_count(live: int, max_num_seqs: int, fsdp: int) -> int:
     return -(-s // fsdp) * fsdp
 
 
+def table_width(max_seq_len: int, page: int) -> int:
+    """Pages in a row's table: its context, and one more (a row may start mid-page after a shared prefix)."""
+    return -(-max_seq_len // page) + 1
+
+
+def block_bucket(last_pos: int, kv_block: int, max_blocks: int) -> int:
+    """The attention block count of a bucketed decode call whose furthest input sits at `last_pos`: the
+    blocks it needs, rounded up to a power of two, at most the table's `max_blocks`."""
+    return min(pow2(last_pos // kv_block + 1), max_blocks)
+
+
+def kv_blocks_bucketed(setting: str, platform: str) -> bool:
+    """Whether the host picks the attention's block count per call (`paged_kv_blocks`; "auto": on GPUs,
+    where a data-dependent loop waits for the host at every block of every layer)."""
+    return setting == "bucketed" or (setting == "auto" and platform in ("cuda", "rocm"))
+
+
 def pow4(n: int) -> int:
     p = 1
     while p < n:
@@ -51,9 +68,13 @@ class PagedDevice:
         self.chunk, self.chunk_rows = cfg.prefill_chunk, cfg.prefill_rows
         self.steps = max(cfg.decode_steps_per_call, cfg.max_decode_steps_per_call)  # the buffers' width
         self.impl, self.kv_block = cfg.paged_attention_impl, cfg.kv_block
+        self.max_blocks = -(-width * self.page // self.kv_block)  # what a table of `width` pages spans
+        platform = self.backend.model.platform
+        self.bucketed = self.impl == "blocked" and kv_blocks_bucketed(cfg.paged_kv_blocks, platform)
         self.topk_width = pow2(cfg.max_topk_prompt_logprobs)  # topk_sample_logprobs are bounded by it
         self.stats = stats
         self.pools: list | None = None
+        self.sequences: dict[str, list[int]] = {}  # stop string -> its device sequence ([]: host check only)
 
     def _pools(self) -> list:
         if self.pools is None:
@@ -71,6 +92,12 @@ class PagedDevice:
             self.pools = [tuple(put_global(np.zeros(shape(len(s.layer_ids)), jnp.dtype(dtype)), layout(len(s.layer_ids)))
                                 for _ in range(2)) for s in model.stacks]
         return self.pools
+
+    def kv_blocks(self, last_pos: int) -> int | None:
+        """The static block count of a decode call whose furthest input sits at `last_pos` (`block_bucket`),
+        or None where the device finds it. (Prefill calls always let the device find it: a few host round
+        trips per call are nothing next to a chunk's work, and its programs stay few.)"""
+        return block_bucket(last_pos, self.kv_block, self.max_blocks) if self.bucketed else None
 
     def _call(self, name: str, key: tuple, fn, *args, **static) -> Any:
         import jax
@@ -117,12 +144,16 @@ class PagedDevice:
         stop_width = max(8, pow2(max(len(lv.row.spec.stop_tokens) for lv in live)))
         # the repetition penalty's token sets, sent only when a row uses one (a program of its own)
         penalized = any(lv.row.spec.repetition_penalty != 1.0 for lv in live)
-        inp = SlotInputs(**({"presence_sv": None} | self.sampler._put(self._slot_arrays(live, s, stop_width,
-                                                                                         penalized))))
-        key = ("sample_decode", s, self.steps, stop_width, topk, penalized)
+        arrays = self._slot_arrays(live, s, stop_width, penalized)
+        sequences = self._stop_sequence_arrays(live, s)  # likewise, stop strings on the device
+        inp = SlotInputs(**({"presence_sv": None} | self.sampler._put(arrays | sequences)))
+        seq_shape = sequences["stop_seq_sxl"].shape[1:] if sequences else None
+        # the furthest position a row's input reaches in this call (a row stops at its last)
+        blocks = self.kv_blocks(max(min(lv.pos + bound - 1, lv.last) for lv in live))
+        key = ("sample_decode", s, self.steps, stop_width, topk, penalized, seq_shape, blocks)
         self.pools, out = self._call("sample_decode", key, decode_steps, self.backend.model, self._pools(), inp,
                                      np.int32(bound), steps=self.steps, topk=topk, impl=self.impl,
-                                     kv_block=self.kv_block)
+                                     kv_block=self.kv_block, kv_blocks=blocks)
         from tx.models.sharding import to_host
 
         tokens_sk, logprobs_sk, new_s, done_s, hit_s, top_ids, top_lps = [None if x is None else to_host(x)
@@ -143,6 +174,38 @@ class PagedDevice:
             res.stopped = bool(hit_s[j])
             finished.append(bool(done_s[j]))
         return finished
+
+    def stop_sequences(self, stops: list[str]) -> list[list[int]]:
+        """The stop strings' token sequences the device watches for: each string as the tokenizer writes it,
+        kept only where those tokens' text contains the string (so a device stop is always a stop the host
+        finds); the host still checks every call's text (`PagedEngine._hit_stop_string`), which also
+        catches a stop the model writes with other tokens."""
+        out = []
+        for stop in stops:
+            if stop not in self.sequences:
+                seq = self.sampler.encode_text(stop)
+                self.sequences[stop] = seq if seq and stop in self.sampler.decode_text(seq) else []
+            if self.sequences[stop]:
+                out.append(self.sequences[stop])
+        return out
+
+    def _stop_sequence_arrays(self, live: list[_Live], s: int) -> dict[str, np.ndarray]:
+        """`stop_seq_sxl` and `recent_sl` (paged_step.SlotInputs) when a row has a stop sequence, else none:
+        x and l in powers of two (few programs)."""
+        per_row = [self.stop_sequences(lv.row.spec.stop_strings) for lv in live]
+        if not any(per_row):
+            return {}
+        x = pow2(max(len(seqs) for seqs in per_row))
+        width = pow2(max(len(seq) for seqs in per_row for seq in seqs))
+        seq_sxl = np.full((s, x, width), -1, np.int32)
+        recent_sl = np.full((s, width), -1, np.int32)
+        for j, (lv, seqs) in enumerate(zip(live, per_row)):
+            for i, seq in enumerate(seqs):
+                seq_sxl[j, i, width - len(seq):] = seq
+            tail = lv.row.result.tokens[-width:]
+            if tail:
+                recent_sl[j, width - len(tail):] = tail
+        return {"stop_seq_sxl": seq_sxl, "recent_sl": recent_sl}
 
     def _slot_arrays(self, live: list[_Live], s: int, stop_width: int, penalized: bool) -> dict[str, np.ndarray]:
         arrays = {"token_s": np.zeros(s, np.int32), "pos_s": np.zeros(s, np.int32), "gen_s": np.zeros(s, np.int32),

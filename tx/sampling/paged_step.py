@@ -10,11 +10,13 @@
   picks per call (few steps while requests wait to join, `steps` when none waits), so it adds no program.
   Each step feeds each slot's input token at its position, takes float32 logits, selects the next token
   with the slot's parameters and the key `fold_in(key(seed), gen)` (gen = tokens the row generated so far:
-  the static sampler's keys, so both engines sample the same tokens), and stops a slot on a stop token or
-  at `max_tokens`.
+  the static sampler's keys, so both engines sample the same tokens), and stops a slot on a stop token,
+  when its last generated tokens equal one of its stop sequences (a rolling window carried through the
+  loop), or at `max_tokens`.
 
-All shapes are fixed by the engine's configuration (slot bucket, steps, stop width, top-k width), never by
-request values. The pools are donated: they are updated in place.
+All shapes are fixed by the engine's configuration (slot bucket, steps, stop width, top-k width, and the
+attention's `kv_blocks` bucket when the host picks it), never by request values. The pools are donated:
+they are updated in place.
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ class SlotInputs(NamedTuple):
     min_p_s: jax.Array  # float32 [S] (0 = off)
     penalty_s: jax.Array  # float32 [S] repetition penalty (1 = off)
     presence_sv: jax.Array | None  # bool [S, vocab]: tokens of each row's prompt and output (only with a penalty)
+    # stop strings as token sequences (only when a row has one): each row's, right-aligned, -1 before them,
+    # and its last generated tokens so far (right-aligned, -1 where it has fewer)
+    stop_seq_sxl: jax.Array | None = None  # int32 [S, x, l]
+    recent_sl: jax.Array | None = None  # int32 [S, l]
 
 
 class StepOutputs(NamedTuple):
@@ -78,13 +84,21 @@ def copy_pages(pools: Pools, src_m: jax.Array, dst_m: jax.Array) -> Pools:
     return [(k.at[:, dst_m].set(k[:, src_m]), v.at[:, dst_m].set(v[:, src_m])) for k, v in pools]
 
 
+def ends_with_a_sequence(recent_sl: jax.Array, seq_sxl: jax.Array) -> jax.Array:
+    """bool [S]: whether each row's recent tokens end with one of its sequences (right-aligned, -1 before
+    a sequence; an all -1 entry is no sequence). A -1 in the window (fewer tokens so far) matches nothing."""
+    used_sxl = seq_sxl >= 0
+    match_sx = jnp.all((recent_sl[:, None, :] == seq_sxl) | ~used_sxl, axis=-1)
+    return jnp.any(match_sx & jnp.any(used_sxl, axis=-1), axis=-1)
+
+
 def slot_keys(seed_s: jax.Array, gen_s: jax.Array) -> jax.Array:
     """One key per slot: the static sampler's `row_keys(seed, step)` with each row's own step."""
     return jax.vmap(lambda s, g: jax.random.fold_in(jax.random.key(s), g))(seed_s.astype(jnp.uint32), gen_s)
 
 
 def decode_steps(model, pools: Pools, inp: SlotInputs, bound: jax.Array, steps: int, topk: int, impl: str,
-                 kv_block: int) -> tuple[Pools, StepOutputs]:
+                 kv_block: int, kv_blocks: int | None = None) -> tuple[Pools, StepOutputs]:
     s = inp.token_s.shape[0]
     # before any slot reads its pages; the page ids go to every device (each fsdp replica of the pools copies
     # every pair locally, instead of gathering the copied pages of the other rows' shards)
@@ -92,14 +106,15 @@ def decode_steps(model, pools: Pools, inp: SlotInputs, bound: jax.Array, steps: 
     pools = copy_pages(pools, src_s, dst_s)
 
     penalized = inp.presence_sv is not None
+    sequences = inp.stop_seq_sxl is not None
 
     def cond(state):
         return (state[0] < jnp.minimum(bound, steps)) & jnp.any(state[4])
 
     def body(state):
-        k, pools, token_s, pos_s, active_s, gen_s, tokens_sk, logprobs_sk, hit_s, presence_sv, *top = state
+        k, pools, token_s, pos_s, active_s, gen_s, tokens_sk, logprobs_sk, hit_s, presence_sv, recent_sl, *top = state
         hidden_s1d, pools = model.paged_forward(token_s[:, None], pos_s[:, None], active_s[:, None], inp.adapter_s,
-                                                pools, inp.table_sw, impl, kv_block)
+                                                pools, inp.table_sw, impl, kv_block, kv_blocks)
         logits_sv = model.logits(hidden_s1d, inp.adapter_s)[:, 0]
         next_s, logprob_s, chosen_top = choose(logits_sv, slot_keys(inp.seed_s, gen_s), inp.temperature_s,
                                                inp.top_k_s, inp.top_p_s, topk, inp.min_p_s,
@@ -112,16 +127,19 @@ def decode_steps(model, pools: Pools, inp: SlotInputs, bound: jax.Array, steps: 
         logprobs_sk = logprobs_sk.at[:, k].set(jnp.where(active_s, logprob_s, 0.0))
         gen_s = gen_s + active_s
         stop_s = active_s & jnp.any(inp.stop_sx == next_s[:, None], axis=-1)
+        if sequences:
+            recent_sl = jnp.concatenate([recent_sl[:, 1:], next_s[:, None]], axis=1)
+            stop_s = stop_s | (active_s & ends_with_a_sequence(recent_sl, inp.stop_seq_sxl))
         hit_s = hit_s | stop_s
         ended_s = active_s & (stop_s | (gen_s >= inp.max_tokens_s))
         return (k + 1, pools, next_s, pos_s + active_s, active_s & ~ended_s, gen_s, tokens_sk, logprobs_sk, hit_s,
-                presence_sv, *top)
+                presence_sv, recent_sl, *top)
 
     state = (jnp.int32(0), pools, inp.token_s, inp.pos_s, inp.active_s, inp.gen_s, jnp.zeros((s, steps), jnp.int32),
-             jnp.zeros((s, steps), jnp.float32), jnp.zeros(s, bool), inp.presence_sv)
+             jnp.zeros((s, steps), jnp.float32), jnp.zeros(s, bool), inp.presence_sv, inp.recent_sl)
     if topk:
         state += (jnp.zeros((s, steps, topk), jnp.int32), jnp.zeros((s, steps, topk), jnp.float32))
-    _, pools, _, _, active_s, gen_s, tokens_sk, logprobs_sk, hit_s, _, *top = jax.lax.while_loop(cond, body, state)
+    _, pools, _, _, active_s, gen_s, tokens_sk, logprobs_sk, hit_s, _, _, *top = jax.lax.while_loop(cond, body, state)
     out = StepOutputs(tokens_sk, logprobs_sk, gen_s - inp.gen_s, inp.active_s & ~active_s, hit_s,
                       *(top or (None, None)))
     return pools, out

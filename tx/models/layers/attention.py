@@ -127,7 +127,7 @@ def local_paged_attention(shard: LogicalSharding, cache: PagedKV, q_bthd: jax.Ar
                              f"a device's attention needs every layer and page, and the kv heads split like the "
                              f"query heads (over {heads_axis!r})")
     kernel = functools.partial(paged_attention, scale=scale, impl=cache.impl, kv_block=cache.kv_block,
-                               platform=cache.platform)
+                               platform=cache.platform, kv_blocks=cache.kv_blocks)
     names = (Q_AXES, POOL_AXES, POOL_AXES, None, ("batch", None), ("batch", "length"))
     run = shard.local(kernel, names, Q_AXES, q_bthd.shape, pool_shape, pool_shape, (), cache.table_bw.shape,
                       cache.pos_bt.shape, out_shapes=q_bthd.shape)
