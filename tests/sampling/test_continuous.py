@@ -86,11 +86,13 @@ def test_a_row_ends_at_the_call_that_completes_a_stop_string(backend):
     """A stop string the model writes with other tokens than the tokenizer's own (so the device cannot see
     it) ends its row after the decode call that completes it, not at max_tokens: the answer is the free
     sample cut after the first prefix whose text contains the stop (found here by decoding every prefix),
-    and the engine decoded at most one call (4 steps) past it."""
+    and the engine decoded at most one call (4 steps) past it. The stop straddles a call boundary: its last
+    character comes with the first token of a call, the others with the call before."""
     tokens, sampler = _free_sample(backend), backend._sampler
-    for end in range(8, 40):
+    for end in range(9, 57, 4):  # calls of 4 steps: token end - 1 opens a call
         stop = sampler.decode_text(tokens[:end])[-3:]  # three characters the sample writes by its end-th token
-        if len(stop.strip()) == 3 and not _contains(tokens, sampler.encode_text(stop)):
+        if (len(stop.strip()) == 3 and stop not in sampler.decode_text(tokens[end - 1:end])
+                and not _contains(tokens, sampler.encode_text(stop))):
             break
     else:
         pytest.fail("no stop string the device cannot see in the sample")
@@ -102,10 +104,11 @@ def test_a_row_ends_at_the_call_that_completes_a_stop_string(backend):
 
 def test_a_stop_string_in_the_tokenizers_own_tokens_ends_its_row_on_the_device(backend):
     """A stop string written as the tokenizer writes it (2-3 tokens) is matched on the device, over the
-    row's last generated tokens carried through the decode loop: the row ends at the token that completes
-    it, mid-call, and the answer equals the host's cut."""
+    row's last generated tokens carried through the decode loop and over call boundaries (the first token
+    ends a call of 4 steps): the row ends at the token that completes it, and the answer equals the host's
+    cut."""
     tokens, sampler = _free_sample(backend), backend._sampler
-    for start in range(6, 40):
+    for start in range(7, 55, 4):
         seq = tokens[start:start + 3]
         stop = sampler.decode_text(seq)
         if sampler.encode_text(stop) == seq and stop not in sampler.decode_text(tokens[:start + 2]):

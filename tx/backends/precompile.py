@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from tx import types
 from tx.backends.batching import model_pass_shapes
-from tx.sampling.paged_calls import block_bucket, kv_blocks_bucketed, slot_count, table_width
+from tx.sampling.paged_calls import block_bucket, kv_blocks_bucketed, slot_count, table_blocks, table_width
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def sample_slot_counts(max_num_seqs: int, multiple: int) -> list[int]:
 def decode_block_prompts(max_seq_len: int, page: int, kv_block: int) -> list[int]:
     """For each attention block bucket a bucketed decode call can run, the shortest prompt whose rows' first
     decode call runs it when they sample 2 tokens (their furthest input sits at the prompt's length)."""
-    max_blocks = -(-table_width(max_seq_len, page) * page // kv_block)
+    max_blocks = table_blocks(table_width(max_seq_len, page), page, kv_block)
     # an input's position is at most max_seq_len - 2 (prompt + max_tokens <= max_seq_len)
     candidates = [2] + list(range(kv_block, max_seq_len - 1, kv_block)) + [max_seq_len - 2]
     first: dict[int, int] = {}

@@ -37,6 +37,11 @@ def table_width(max_seq_len: int, page: int) -> int:
     return -(-max_seq_len // page) + 1
 
 
+def table_blocks(width: int, page: int, kv_block: int) -> int:
+    """Attention blocks a table of `width` pages spans: no call needs more."""
+    return -(-width * page // kv_block)
+
+
 def block_bucket(last_pos: int, kv_block: int, max_blocks: int) -> int:
     """The attention block count of a bucketed decode call whose furthest input sits at `last_pos`: the
     blocks it needs, rounded up to a power of two, at most the table's `max_blocks`."""
@@ -68,7 +73,7 @@ class PagedDevice:
         self.chunk, self.chunk_rows = cfg.prefill_chunk, cfg.prefill_rows
         self.steps = max(cfg.decode_steps_per_call, cfg.max_decode_steps_per_call)  # the buffers' width
         self.impl, self.kv_block = cfg.paged_attention_impl, cfg.kv_block
-        self.max_blocks = -(-width * self.page // self.kv_block)  # what a table of `width` pages spans
+        self.max_blocks = table_blocks(width, self.page, self.kv_block)
         platform = self.backend.model.platform
         self.bucketed = self.impl == "blocked" and kv_blocks_bucketed(cfg.paged_kv_blocks, platform)
         self.topk_width = pow2(cfg.max_topk_prompt_logprobs)  # topk_sample_logprobs are bounded by it
