@@ -129,6 +129,45 @@ def test_bucketed_block_counts_give_the_same_tokens_in_few_programs(tiny_dirs, e
         tx.JaxBackendConfig(**BASE, **PAGED, paged_kv_blocks="bucketed", paged_attention_impl="reference")
 
 
+def test_unrolled_and_scanned_layers_sample_the_same(tiny_dirs, engines, monkeypatch):
+    """`paged_decode_layers`: "unrolled" (auto on a one-device CPU mesh where the layer weights fit a quarter of
+    its memory)
+    copies each layer's weights out of the stacks once per decode call and runs the layers one by one;
+    "scan" slices them inside the step loop. Both sample the same tokens; only the unrolled programs take
+    the per-layer copies (recorded while they trace)."""
+    from tx.models.qwen3 import DecoderStack
+    from tx.sampling.paged_calls import decode_layers_unrolled
+
+    _, auto = engines
+    assert auto._sampler._paged.device.unrolled
+    copied = []
+    states = DecoderStack.layer_states
+    monkeypatch.setattr(DecoderStack, "layer_states", lambda self: copied.append(self) or states(self))
+    scan = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **PAGED, paged_decode_layers="scan"))
+    scan.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
+    slot = auto.models["a"].adapter_index
+    set_adapter_weights(scan.model, slot, get_adapter_weights(auto.model, slot, 4), alpha=8, rank=4)
+    requests = requests_mixed()
+    got = scan.sample(sample_batch(requests))
+    assert not copied and not scan._sampler._paged.device.unrolled
+    unrolled = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **PAGED, paged_decode_layers="unrolled"))
+    unrolled.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
+    set_adapter_weights(unrolled.model, slot, get_adapter_weights(auto.model, slot, 4), alpha=8, rank=4)
+    want = unrolled.sample(sample_batch(requests))
+    assert copied  # (by the traced copies of the model's stacks)
+    for request_id, *_ in requests:
+        assert [s.tokens for s in want[request_id].sequences] == [s.tokens for s in got[request_id].sequences]
+        for x, y in zip(want[request_id].sequences, got[request_id].sequences):
+            np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=1e-5, atol=1e-5)
+    gib = 2**30
+    assert decode_layers_unrolled("auto", "cpu", 1, gib, 4 * gib)
+    assert not decode_layers_unrolled("auto", "cpu", 1, gib + 1, 4 * gib)
+    assert not decode_layers_unrolled("auto", "cpu", 8, 1, 4 * gib)  # a mesh: the scan gathers per layer
+    assert not any(decode_layers_unrolled("auto", p, 1, 1, 4 * gib) for p in ("cuda", "tpu"))
+    assert decode_layers_unrolled("unrolled", "cuda", 8, 8 * gib, gib)
+    assert not decode_layers_unrolled("scan", "cpu", 1, 1, gib)
+
+
 def test_kv_blocks_auto_means_bucketed_on_gpus_only():
     from tx.sampling.paged_calls import kv_blocks_bucketed
 

@@ -112,6 +112,14 @@ class JaxBackendConfig(BaseModel):
         "longest row reaches by the call's end, chosen by the host and rounded up to a power of two (a loop of "
         "known count; one decode program per bucket; up to 2x the KV reads); 'auto': bucketed on GPUs, dynamic "
         "elsewhere. Prefill calls always find the count on the device")
+    paged_decode_layers: Literal["auto", "scan", "unrolled"] = Field(
+        "auto", description="paged engine: how a decode call runs the layers. 'scan': `lax.scan` over the "
+        "stacked weights, which slices every layer's weights out of the stack at every step (a copy per weight "
+        "on CPU, and on GPU where the matmul cannot read the slice in place); 'unrolled': the layer weights "
+        "copied out once per call, before its step loop (transient memory: one more copy of the layer weights) "
+        "and the layers run one by one (a longer compile); 'auto': unrolled on a one-device CPU mesh when that copy "
+        "takes at most a quarter of the free memory, else scan (GPUs: not measured yet; TPUs read a scanned "
+        "slice in place; over several devices the scan gathers each layer's weights in turn)")
     prefix_cache: bool = Field(True, description="paged engine: reuse the KV pages of prompt prefixes seen "
                                "before with the same weights (full pages, least recently used evicted first)")
     kv_block: int = Field(64, ge=1, description="paged engine: tokens per attention block (a multiple of "

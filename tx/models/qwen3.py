@@ -90,17 +90,36 @@ class DecoderStack(nnx.Module):
         self.remat_policy = remat_policy
         self.layer = DecoderLayer(cfg, moe=moe, stack=(len(layer_ids),), **kw)
 
-    def __call__(self, x_btd, cos_sin, mask_bts, adapter_b: jax.Array | None, cache=None, return_kv=False):
-        """Hidden states, and keys/values: None; `[L, b, t, kv, d]` pairs if `return_kv` (prefill); or the
-        updated `[L, b, s, kv, d]` cache pair when `cache = (k, v, write_pos_b)` is given (decode)."""
+    def _split(self):
+        """(graphdef, the whole expert kernels or None, the state scanned over layers)."""
         # MoE expert kernels stay whole ([L, E, in, out], closed over) and each step passes its layer index:
         # scanning over them would copy every layer's expert slice (GBs per layer at real shapes).
         # When the expert kernels are trained (full fine-tuning) they are scanned like every other weight:
         # a closed-over whole kernel would get a whole-stack-sized gradient per layer in the backward pass.
         if self.moe and self.experts_whole:
-            graphdef, whole, state = nnx.split(self.layer, _is_expert_kernel, ...)
-        else:
-            (graphdef, state), whole = nnx.split(self.layer), None
+            return nnx.split(self.layer, _is_expert_kernel, ...)
+        graphdef, state = nnx.split(self.layer)
+        return graphdef, None, state
+
+    def layer_states(self) -> list:
+        """The scanned state one layer at a time (static slices, so copies of each layer's weights). A decode
+        call takes them once, before its step loop: under `lax.scan` every step would slice every layer's
+        weights out of the stack again (a copy per weight per layer per step on CPU, and on GPU where the
+        matmul cannot read the slice in place)."""
+        _, _, state = self._split()
+        return [jax.tree.map(lambda a, i=i: a[i], state) for i in range(len(self.layer_ids))]
+
+    def layer_bytes(self) -> int:
+        """Bytes of the scanned state on one device: what `layer_states` copies."""
+        _, _, state = self._split()
+        return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(state))
+
+    def __call__(self, x_btd, cos_sin, mask_bts, adapter_b: jax.Array | None, cache=None, return_kv=False,
+                 layers: list | None = None):
+        """Hidden states, and keys/values: None; `[L, b, t, kv, d]` pairs if `return_kv` (prefill); or the
+        updated `[L, b, s, kv, d]` cache pair when `cache = (k, v, write_pos_b)` is given (decode). With a
+        `PagedKV` cache, `layers` (`layer_states()`) runs the layers one by one on those arrays."""
+        graphdef, whole, state = self._split()
         layer_l = jnp.arange(len(self.layer_ids), dtype=jnp.int32)
 
         def body(h_btd, xs):
@@ -113,7 +132,7 @@ class DecoderStack(nnx.Module):
             return h_btd, (kv if return_kv or layer_cache is not None else None)
 
         if isinstance(cache, PagedKV):
-            return self._paged(graphdef, whole, state, layer_l, x_btd, cos_sin, adapter_b, cache)
+            return self._paged(graphdef, whole, state, layer_l, x_btd, cos_sin, adapter_b, cache, layers)
         policy = remat_policy(self.remat_policy)
         if policy is not None:  # per-layer gradient checkpointing: the policy says what the backward may keep
             body = jax.checkpoint(body, policy=policy)
@@ -124,9 +143,10 @@ class DecoderStack(nnx.Module):
         return jax.lax.scan(body, x_btd, (state, (k_cache, v_cache, write_pos_lb), layer_l))
 
 
-    def _paged(self, graphdef, whole, state, layer_l, x_btd, cos_sin, adapter_b, paged: PagedKV):
+    def _paged(self, graphdef, whole, state, layer_l, x_btd, cos_sin, adapter_b, paged: PagedKV, layers):
         """Sampling-engine mode: the stack's page pools ride in the scan carry and each layer scatters its
-        keys/values into them at its own index (no per-layer copy of the cache; in place when donated)."""
+        keys/values into them at its own index (no per-layer copy of the cache; in place when donated).
+        With `layers`, a Python loop over them instead of the scan (the same body)."""
 
         def body(carry, xs):
             h_btd, k_pool, v_pool = carry
@@ -138,7 +158,13 @@ class DecoderStack(nnx.Module):
                 h_btd, pools = nnx.merge(graphdef, whole, layer_state)(h_btd, cos_sin, None, adapter_b, kv, layer)
             return (h_btd, *pools), None
 
-        (h_btd, k_pool, v_pool), _ = jax.lax.scan(body, (x_btd, paged.k_pool, paged.v_pool), (state, layer_l))
+        carry = (x_btd, paged.k_pool, paged.v_pool)
+        if layers is None:
+            carry, _ = jax.lax.scan(body, carry, (state, layer_l))
+        else:
+            for i, layer_state in enumerate(layers):
+                carry, _ = body(carry, (layer_state, jnp.int32(i)))
+        h_btd, k_pool, v_pool = carry
         return h_btd, (k_pool, v_pool)
 
 
@@ -282,16 +308,26 @@ class Qwen3ForCausalLM(nnx.Module):
         impl: str = "blocked",
         kv_block: int = 128,
         kv_blocks: int | None = None,
+        layers: list | None = None,
     ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
         """Tokens at `positions_bt` of sequences whose KV pages are `table_bw` (a prefill chunk, or one
         decode token per row): each stack writes their keys/values into its page pools `[L, N, P, kv, d]`
-        and attends over the sequences' pages (`kv_blocks`: see `paged_attention`). Returns final hidden
-        states `[b, t, d]` and the pools."""
+        and attends over the sequences' pages (`kv_blocks`: see `paged_attention`). `layers`
+        (`layer_states()`): run each stack's layers one by one on those per-layer arrays. Returns final
+        hidden states `[b, t, d]` and the pools."""
         paged = [PagedKV(k, v, jnp.int32(0), table_bw, positions_bt, valid_bt, impl, kv_block, self.platform,
                          kv_blocks) for k, v in pools]
-        return self._layers(ids_bt, positions_bt, None, adapter_indices_b, paged, False)
+        return self._layers(ids_bt, positions_bt, None, adapter_indices_b, paged, False, layers)
 
-    def _layers(self, ids_bt, positions_bt, mask_bts, adapter_b, decode, return_kv):
+    def layer_states(self) -> list[list]:
+        """Each stack's `DecoderStack.layer_states()`."""
+        return [stack.layer_states() for stack in self.stacks]
+
+    def layer_bytes(self) -> int:
+        """What `layer_states()` copies, in bytes on one device."""
+        return sum(stack.layer_bytes() for stack in self.stacks)
+
+    def _layers(self, ids_bt, positions_bt, mask_bts, adapter_b, decode, return_kv, layers=None):
         cos_sin = rope_cos_sin(positions_bt, self.config.head_dim, self.config.rope_theta)
         x_btd = self.embed_tokens(ids_bt)
         kvs = []
@@ -300,7 +336,8 @@ class Qwen3ForCausalLM(nnx.Module):
                 cache = None if decode is None else decode[i]
             else:
                 cache = (*decode[0][i], decode[1])
-            x_btd, kv = stack(x_btd, cos_sin, mask_bts, adapter_b, cache, return_kv)
+            x_btd, kv = stack(x_btd, cos_sin, mask_bts, adapter_b, cache, return_kv,
+                              None if layers is None else layers[i])
             kvs.append(kv)
         return self.norm(x_btd), kvs
 

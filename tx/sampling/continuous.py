@@ -43,7 +43,7 @@ import numpy as np
 
 from tx.sampling.decode import DecodeOutputs
 from tx.sampling.kv_pages import PageTable
-from tx.sampling.paged_calls import PagedDevice, table_width
+from tx.sampling.paged_calls import PagedDevice, free_memory_bytes, table_width
 from tx.sampling.requests import SampleRow
 
 if TYPE_CHECKING:
@@ -125,7 +125,11 @@ class PagedEngine:
         cfg = self.backend.config
         self.page = cfg.kv_page_size
         self.width = table_width(self.backend.max_seq_len, self.page)
-        self.num_pages = cfg.kv_cache_pages or self._auto_pages(cfg.max_num_seqs)
+        from tx.models.sharding import min_over_processes
+
+        # the smallest any process has: every process must build the same pool and programs (one SPMD program)
+        free = min_over_processes(free_memory_bytes())
+        self.num_pages = cfg.kv_cache_pages or self._auto_pages(cfg.max_num_seqs, free)
         if self.num_pages < 2 * self.width + 1:
             raise ValueError(f"kv_cache_pages={self.num_pages} is below {2 * self.width + 1}: the pool must hold one "
                              f"longest prompt and one longest row (max_seq_len={self.backend.max_seq_len}, "
@@ -137,31 +141,18 @@ class PagedEngine:
         self.stats = self.backend.metrics.sampling  # reported by /api/v1/metrics
         self.stats.update({"prefill_tokens": 0, "prefill_tokens_cached": 0, "decode_tokens": 0, "peak_pages": 0,
                            "calls": 0, "preempted": 0, "kv_cache_pages": self.num_pages})
-        self.device = PagedDevice(sampler, self.num_pages, self.width, self.stats)
+        self.device = PagedDevice(sampler, self.num_pages, self.width, self.stats, free)
         self._serial = 0
         self.reset()
 
-    def _auto_pages(self, slots: int) -> int:
-        """Every slot at full length plus one longest prompt and row, within half the free device memory
-        (a quarter of the host's memory where the device does not report it, as on CPU). Hosts differ in
-        memory, so a multi-host run takes the smallest pool any process could hold: one pool shape, one
-        SPMD program."""
-        import os
-
-        import jax
-
-        from tx.models.sharding import min_over_processes
-
+    def _auto_pages(self, slots: int, free: int) -> int:
+        """Every slot at full length plus one longest prompt and row, within half the `free` device memory
+        (`paged_calls.free_memory_bytes`, the smallest of any process's: one pool shape everywhere)."""
         want = slots * self.width + 2 * self.width + 1
         cfg = self.backend.model.config
         itemsize = self.backend.model.embed_tokens.embedding[...].dtype.itemsize
         page_bytes = 2 * cfg.num_hidden_layers * self.page * cfg.num_key_value_heads * cfg.head_dim * itemsize
-        stats = jax.local_devices()[0].memory_stats() or {}
-        if stats.get("bytes_limit"):
-            budget = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) // 2
-        else:
-            budget = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
-        return max(2 * self.width + 1, min_over_processes(min(want, int(budget // page_bytes))))
+        return max(2 * self.width + 1, min(want, int(free // 2 // page_bytes)))
 
     def reset(self) -> None:
         """Forget every row and page (after a failed call the pages and donated pools are in an unknown state)."""

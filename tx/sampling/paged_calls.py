@@ -54,6 +54,29 @@ def kv_blocks_bucketed(setting: str, platform: str) -> bool:
     return setting == "bucketed" or (setting == "auto" and platform in ("cuda", "rocm"))
 
 
+def decode_layers_unrolled(setting: str, platform: str, devices: int, layer_bytes: int, free_bytes: int) -> bool:
+    """Whether decode calls copy the layer weights out once and run the layers one by one
+    (`paged_decode_layers`; "auto": on a one-device CPU mesh, when the copy, `layer_bytes`, is at most a
+    quarter of `free_bytes`. Not yet on GPUs, where it is unmeasured (a longer compile against the MLP
+    weights' copies per step), nor on TPUs, whose matmuls read a scanned layer's slice in place, nor over
+    several devices, where each layer's weights are gathered per layer and step under the scan)."""
+    fits = 4 * layer_bytes <= free_bytes
+    return setting == "unrolled" or (setting == "auto" and platform == "cpu" and devices == 1 and fits)
+
+
+def free_memory_bytes() -> int:
+    """This process's first device's free memory, or half the host's where the device does not report it
+    (CPU)."""
+    import os
+
+    import jax
+
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if stats.get("bytes_limit"):
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+
+
 def pow4(n: int) -> int:
     p = 1
     while p < n:
@@ -65,7 +88,7 @@ class PagedDevice:
     """Page pools `[layers, pages, page, kv_heads, head_dim]` per layer stack (created at first use,
     donated to every call) and the two device calls over them."""
 
-    def __init__(self, sampler: Sampler, num_pages: int, width: int, stats: dict[str, int]):
+    def __init__(self, sampler: Sampler, num_pages: int, width: int, stats: dict[str, int], free_bytes: int):
         self.sampler, self.backend = sampler, sampler.backend
         cfg = self.backend.config
         self.num_pages, self.page, self.width = num_pages, cfg.kv_page_size, width
@@ -78,6 +101,8 @@ class PagedDevice:
         self.bucketed = self.impl == "blocked" and kv_blocks_bucketed(cfg.paged_kv_blocks, platform)
         self.topk_width = pow2(cfg.max_topk_prompt_logprobs)  # topk_sample_logprobs are bounded by it
         self.stats = stats
+        self.unrolled = decode_layers_unrolled(cfg.paged_decode_layers, platform, self.backend.mesh.size,
+                                               self.backend.model.layer_bytes(), free_bytes)
         self.pools: list | None = None
         self.sequences: dict[str, list[int]] = {}  # stop string -> its device sequence ([]: host check only)
 
@@ -158,7 +183,7 @@ class PagedDevice:
         key = ("sample_decode", s, self.steps, stop_width, topk, penalized, seq_shape, blocks)
         self.pools, out = self._call("sample_decode", key, decode_steps, self.backend.model, self._pools(), inp,
                                      np.int32(bound), steps=self.steps, topk=topk, impl=self.impl,
-                                     kv_block=self.kv_block, kv_blocks=blocks)
+                                     kv_block=self.kv_block, kv_blocks=blocks, unrolled=self.unrolled)
         from tx.models.sharding import to_host
 
         tokens_sk, logprobs_sk, new_s, done_s, hit_s, top_ids, top_lps = [None if x is None else to_host(x)

@@ -98,8 +98,11 @@ def slot_keys(seed_s: jax.Array, gen_s: jax.Array) -> jax.Array:
 
 
 def decode_steps(model, pools: Pools, inp: SlotInputs, bound: jax.Array, steps: int, topk: int, impl: str,
-                 kv_block: int, kv_blocks: int | None = None) -> tuple[Pools, StepOutputs]:
+                 kv_block: int, kv_blocks: int | None = None, unrolled: bool = False) -> tuple[Pools, StepOutputs]:
     s = inp.token_s.shape[0]
+    # `unrolled`: every layer's weights sliced out of the stacks once, here, and the layers run one by one
+    # in each step on those arrays (a transient copy of the layer weights; see `DecoderStack.layer_states`)
+    layers = model.layer_states() if unrolled else None
     # before any slot reads its pages; the page ids go to every device (each fsdp replica of the pools copies
     # every pair locally, instead of gathering the copied pages of the other rows' shards)
     src_s, dst_s = (model.layout.constrain(x, (None,)) for x in (inp.copy_src_s, inp.copy_dst_s))
@@ -114,7 +117,7 @@ def decode_steps(model, pools: Pools, inp: SlotInputs, bound: jax.Array, steps: 
     def body(state):
         k, pools, token_s, pos_s, active_s, gen_s, tokens_sk, logprobs_sk, hit_s, presence_sv, recent_sl, *top = state
         hidden_s1d, pools = model.paged_forward(token_s[:, None], pos_s[:, None], active_s[:, None], inp.adapter_s,
-                                                pools, inp.table_sw, impl, kv_block, kv_blocks)
+                                                pools, inp.table_sw, impl, kv_block, kv_blocks, layers)
         logits_sv = model.logits(hidden_s1d, inp.adapter_s)[:, 0]
         next_s, logprob_s, chosen_top = choose(logits_sv, slot_keys(inp.seed_s, gen_s), inp.temperature_s,
                                                inp.top_k_s, inp.top_p_s, topk, inp.min_p_s,
