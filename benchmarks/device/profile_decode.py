@@ -1,6 +1,7 @@
 """Where a paged-engine decode step spends its time: one process, a profiler trace per batch, summarised.
 
-    python benchmarks/device/profile_decode.py --models DIR --out DIR [--model qwen3_0p6b] [--dry-run]
+    python benchmarks/device/profile_decode.py --models DIR --out DIR [--model qwen3_0p6b] [--tag T] [--config JSON]
+        [--dry-run]
 
 Writes the checkpoint (`setup_models.write`) if DIR lacks it, builds the suite's decode backend (step d's
 config), warms each batch up, times `--new` greedy tokens at batch B, then traces one more such call with
@@ -77,6 +78,8 @@ def main() -> None:
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--steps-per-call", type=int, default=8)
     p.add_argument("--tag", default="", help="names this variant's traces (e.g. the XLA flags tried)")
+    p.add_argument("--config", default="{}", help="JSON: JaxBackendConfig fields over the suite's decode config, "
+                   "e.g. '{\"paged_decode_layers\": \"unrolled\"}'")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args()
     import jax
@@ -93,7 +96,7 @@ def main() -> None:
     log = open(out / "profile.jsonl", "a")
 
     def emit(row: dict) -> None:
-        row = {"tag": args.tag, "steps_per_call": args.steps_per_call, "model": args.model, "jax": jax.__version__,
+        row = {"tag": args.tag, "config": json.loads(args.config), "steps_per_call": args.steps_per_call, "model": args.model, "jax": jax.__version__,
                "device": jax.devices()[0].device_kind, "xla_flags": os.environ.get("XLA_FLAGS", ""), **row}
         print(json.dumps(row), flush=True)
         log.write(json.dumps(row) + "\n")
@@ -108,7 +111,7 @@ def main() -> None:
     backend = tx.JaxBackend(path, tx.JaxBackendConfig(
         max_lora_adapters=2, max_lora_rank=rank, max_seq_len=plen + args.new + 1, sample_engine="paged",
         paged_attention_impl="blocked", max_num_seqs=max(batches), prefix_cache=False,
-        decode_steps_per_call=args.steps_per_call))
+        decode_steps_per_call=args.steps_per_call, **json.loads(args.config)))
     backend.create_model("m0", types.LoraConfig(rank=rank, alpha=2.0 * rank, seed=0))
     rng = np.random.default_rng(0)
     for b in batches:

@@ -125,10 +125,7 @@ class PagedEngine:
         cfg = self.backend.config
         self.page = cfg.kv_page_size
         self.width = table_width(self.backend.max_seq_len, self.page)
-        from tx.models.sharding import min_over_processes
-
-        # the smallest any process has: every process must build the same pool and programs (one SPMD program)
-        free = min_over_processes(free_memory_bytes())
+        free = free_memory_bytes()
         self.num_pages = cfg.kv_cache_pages or self._auto_pages(cfg.max_num_seqs, free)
         if self.num_pages < 2 * self.width + 1:
             raise ValueError(f"kv_cache_pages={self.num_pages} is below {2 * self.width + 1}: the pool must hold one "
@@ -146,13 +143,16 @@ class PagedEngine:
         self.reset()
 
     def _auto_pages(self, slots: int, free: int) -> int:
-        """Every slot at full length plus one longest prompt and row, within half the `free` device memory
-        (`paged_calls.free_memory_bytes`, the smallest of any process's: one pool shape everywhere)."""
+        """Every slot at full length plus one longest prompt and row, within half this process's `free`
+        device memory (`paged_calls.free_memory_bytes`). Hosts differ in memory, so a multi-host run takes the
+        smallest pool any process could hold: one pool shape, one SPMD program."""
+        from tx.models.sharding import min_over_processes
+
         want = slots * self.width + 2 * self.width + 1
         cfg = self.backend.model.config
         itemsize = self.backend.model.embed_tokens.embedding[...].dtype.itemsize
         page_bytes = 2 * cfg.num_hidden_layers * self.page * cfg.num_key_value_heads * cfg.head_dim * itemsize
-        return max(2 * self.width + 1, min(want, int(free // 2 // page_bytes)))
+        return max(2 * self.width + 1, min_over_processes(min(want, int(free // 2 // page_bytes))))
 
     def reset(self) -> None:
         """Forget every row and page (after a failed call the pages and donated pools are in an unknown state)."""
