@@ -212,6 +212,8 @@ class PagedDevice:
         finds); the host still checks every call's text (`PagedEngine._hit_stop_string`), which also
         catches a stop the model writes with other tokens."""
         out = []
+        if len(self.sequences) > 4096:  # tenants choose the strings: a bounded cache
+            self.sequences.clear()
         for stop in stops:
             if stop not in self.sequences:
                 seq = self.sampler.encode_text(stop)
