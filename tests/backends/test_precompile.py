@@ -9,7 +9,8 @@ import pytest
 import tx
 from tx import types
 from tx.backends.batching import micro_batch_shape, model_pass_shapes, plan_micro_batches
-from tx.backends.precompile import SCRATCH, decode_block_prompts, precompile, sample_slot_counts
+from tx.backends.precompile import SCRATCH, decode_block_prompts, precompile, prefill_prompt_lengths, sample_slot_counts
+from tx.sampling.paged_calls import prefill_row_count
 
 MAX_SEQ, BUDGET = 24, 32  # 3 shapes: 2 x 16 and 1 x 16, 1 x 24
 
@@ -59,6 +60,24 @@ def test_decode_block_prompts_reach_every_bucket_first(max_seq, page, kv_block):
         first.setdefault(count[pos], pos)
     assert decode_block_prompts(max_seq, page, kv_block) == sorted(first.values())
     assert {count[p] for p in range(max_seq - 1)} <= {count[p] for p in first.values()} | {1}
+
+
+@pytest.mark.parametrize("max_seq,chunk,rows,slots,fsdp", [(24, 8, 4, 2, 1), (256, 64, 64, 2, 1), (96, 8, 2, 8, 1),
+                                                          (512, 16, 64, 4, 2), (2048, 64, 64, 64, 1)])
+def test_prefill_prompt_lengths_reach_every_row_count(max_seq, chunk, rows, slots, fsdp):
+    """Brute force: the row counts a first prefill call can take (up to `slots` prompts of 2 .. max_seq - 2
+    tokens admitted at once, each prefilled up to its last token) are each reached by the slot-count runs
+    (n one-chunk prompts) or by one of the prompt sets, which stay within those limits."""
+    def chunks(n):
+        return -(-(n - 1) // chunk)
+
+    per_prompt = max(chunks(n) for n in range(2, max_seq - 1))
+    reachable = {prefill_row_count(w, rows, fsdp) for w in range(1, slots * per_prompt + 1)}
+    sets = prefill_prompt_lengths(max_seq, chunk, rows, slots, fsdp)
+    assert all(len(lengths) <= slots and all(2 <= n <= max_seq - 2 for n in lengths) for lengths in sets)
+    covered = {prefill_row_count(n, rows, fsdp) for n in sample_slot_counts(slots, fsdp)}
+    covered |= {prefill_row_count(sum(chunks(n) for n in lengths), rows, fsdp) for lengths in sets}
+    assert covered == reachable
 
 
 def test_precompile_covers_the_decode_block_buckets(tiny_dirs):

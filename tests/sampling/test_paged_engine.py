@@ -2,6 +2,7 @@
 on the same weights: greedy tokens, seeded samples, log-probs, stops, top-k log-probs; prompt sharing
 (one prefill per request), continuous batching through a small pool and few slots, bounded programs."""
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -129,32 +130,27 @@ def test_bucketed_block_counts_give_the_same_tokens_in_few_programs(tiny_dirs, e
         tx.JaxBackendConfig(**BASE, **PAGED, paged_kv_blocks="bucketed", paged_attention_impl="reference")
 
 
-def test_unrolled_and_scanned_layers_sample_the_same(tiny_dirs, engines, monkeypatch):
+def test_unrolled_and_scanned_layers_sample_the_same(tiny_dirs, engines):
     """`paged_decode_layers`: "unrolled" (auto on a one-device CPU mesh where the layer weights fit a quarter of
-    its memory)
-    copies each layer's weights out of the stacks once per decode call and runs the layers one by one;
-    "scan" slices them inside the step loop. Both sample the same tokens; only the unrolled programs take
-    the per-layer copies (recorded while they trace)."""
-    from tx.models.qwen3 import DecoderStack
+    its memory) runs the layers one by one on per-layer copies of their weights, made once and kept
+    (tx/sampling/layer_copies.py); "scan" slices them inside the step loop. Both sample the same tokens;
+    only the unrolled engine holds copies."""
     from tx.sampling.paged_calls import decode_layers_unrolled
 
     _, auto = engines
     assert auto._sampler._paged.device.unrolled
-    copied = []
-    states = DecoderStack.layer_states
-    monkeypatch.setattr(DecoderStack, "layer_states", lambda self: copied.append(self) or states(self))
     scan = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **PAGED, paged_decode_layers="scan"))
     scan.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
     slot = auto.models["a"].adapter_index
     set_adapter_weights(scan.model, slot, get_adapter_weights(auto.model, slot, 4), alpha=8, rank=4)
     requests = requests_mixed()
     got = scan.sample(sample_batch(requests))
-    assert not copied and not scan._sampler._paged.device.unrolled
+    assert scan._sampler._paged.device.layer_copies is None and not scan._sampler._paged.device.unrolled
     unrolled = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **PAGED, paged_decode_layers="unrolled"))
     unrolled.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
     set_adapter_weights(unrolled.model, slot, get_adapter_weights(auto.model, slot, 4), alpha=8, rank=4)
     want = unrolled.sample(sample_batch(requests))
-    assert copied  # (by the traced copies of the model's stacks)
+    assert unrolled._sampler._paged.device.layer_copies.copied > 0
     for request_id, *_ in requests:
         assert [s.tokens for s in want[request_id].sequences] == [s.tokens for s in got[request_id].sequences]
         for x, y in zip(want[request_id].sequences, got[request_id].sequences):
@@ -166,6 +162,39 @@ def test_unrolled_and_scanned_layers_sample_the_same(tiny_dirs, engines, monkeyp
     assert not any(decode_layers_unrolled("auto", p, 1, 1, 4 * gib) for p in ("cuda", "tpu"))
     assert decode_layers_unrolled("unrolled", "cuda", 8, 8 * gib, gib)
     assert not decode_layers_unrolled("scan", "cpu", 1, 1, gib)
+
+
+def test_unrolled_decode_follows_weight_changes(tiny_dirs, engines):
+    """The kept per-layer copies follow the model: after an adapter's weights change (a weight load here; an
+    optimizer step replaces them the same way) the unrolled engine samples with the new weights, as the static
+    engine does, and only the replaced (LoRA) leaves were copied again, not the base weights. (No prefix cache:
+    a direct weight load does not bump the adapter's KV identity as the backend's own updates do.)"""
+    static, _ = engines
+    unrolled = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **PAGED, paged_decode_layers="unrolled",
+                                                                      prefix_cache=False))
+    unrolled.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
+    slot = static.models["a"].adapter_index
+    copies = unrolled._sampler._paged.device.layer_copies
+    greedy = [(f"g{i}", "a", [(p, SP(max_tokens=8, temperature=0.0, stop=[]))], False, 0) for i, p in enumerate(PROMPTS)]
+    before = get_adapter_weights(static.model, slot, 4)
+    rng = np.random.default_rng(7)
+    other = {name: (rng.standard_normal(a.shape).astype(np.float32) * 0.3,
+                    rng.standard_normal(b.shape).astype(np.float32) * 0.3) for name, (a, b) in before.items()}
+    tokens = []
+    try:
+        for weights in (before, other):
+            for backend in (static, unrolled):
+                set_adapter_weights(backend.model, slot, weights, alpha=8, rank=4)
+            made = copies.copied
+            want, got = static.sample(sample_batch(greedy)), unrolled.sample(sample_batch(greedy))
+            for request_id, *_ in greedy:
+                assert got[request_id].sequences[0].tokens == want[request_id].sequences[0].tokens, request_id
+            tokens.append([got[r].sequences[0].tokens for r, *_ in greedy])
+            leaves = sum(len(jax.tree.leaves(state)) for state in unrolled.model.scanned_states())
+            assert 0 < copies.copied - made < leaves or made == 0, (made, copies.copied, leaves)
+    finally:
+        set_adapter_weights(static.model, slot, before, alpha=8, rank=4)
+    assert tokens[0] != tokens[1]  # the new weights change what is sampled: stale copies could not pass
 
 
 def test_kv_blocks_auto_means_bucketed_on_gpus_only():

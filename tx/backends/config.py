@@ -94,7 +94,7 @@ class JaxBackendConfig(BaseModel):
     max_num_seqs: int = Field(64, ge=1, description="paged engine: decode slots (rows decoding at once)")
     prefill_chunk: int = Field(64, ge=1, description="paged engine: prompt tokens per prefill chunk")
     prefill_rows: int = Field(64, ge=1, description="paged engine: most prefill chunks per device call (a call "
-                              "takes what the admitted prompts need, in powers of 4; the decoding rows wait for it, "
+                              "takes what the admitted prompts need, in powers of 2; the decoding rows wait for it, "
                               "so lower it where prefill is slow, e.g. on CPU with a large model)")
     decode_steps_per_call: int = Field(8, ge=1, description="paged engine: decode steps per device call while "
                                        "requests wait to join (rows join and leave between calls)")
@@ -115,9 +115,10 @@ class JaxBackendConfig(BaseModel):
     paged_decode_layers: Literal["auto", "scan", "unrolled"] = Field(
         "auto", description="paged engine: how a decode call runs the layers. 'scan': `lax.scan` over the "
         "stacked weights, which slices every layer's weights out of the stack at every step (a copy per weight "
-        "on CPU, and on GPU where the matmul cannot read the slice in place); 'unrolled': the layer weights "
-        "copied out once per call, before its step loop (transient memory: one more copy of the layer weights) "
-        "and the layers run one by one (a longer compile); 'auto': unrolled on a one-device CPU mesh when that copy "
+        "on CPU, and on GPU where the matmul cannot read the slice in place); 'unrolled': the layers run one by "
+        "one on per-layer copies of their weights, made at the first decode call and kept (memory: one more "
+        "copy of the layer weights, held while the engine lives; an adapter's copies are remade after its "
+        "weights change) (a longer compile); 'auto': unrolled on a one-device CPU mesh when that copy "
         "takes at most a quarter of the free memory, else scan (GPUs: not measured yet; TPUs read a scanned "
         "slice in place; over several devices the scan gathers each layer's weights in turn)")
     prefix_cache: bool = Field(True, description="paged engine: reuse the KV pages of prompt prefixes seen "

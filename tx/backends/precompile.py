@@ -9,8 +9,9 @@ is touched):
   the fsdp size within `train_micro_batch_tokens` / `train_micro_batch_size`, since the planner packs rows
   into micro-batches under that budget).
 - the paged sampling engine: the decode program at every slot count (powers of two times the fsdp size up
-  to `max_num_seqs`: the live rows are padded to one) and the prefill program at the chunk counts those
-  admissions take (powers of 4 up to `prefill_rows`), for rows with the default stops, no top-k log-probs
+  to `max_num_seqs`: the live rows are padded to one) and the prefill program at every row count one
+  iteration's admissions can want (powers of 2 up to `prefill_rows`: up to `max_num_seqs` prompts of up to
+  max_seq_len - 2 tokens, `prefill_prompt_lengths`), for rows with the default stops, no top-k log-probs
   and no repetition penalty. Where the host picks the attention's block count (`paged_kv_blocks`,
   bucketed on GPUs), every slot count at every block bucket: rows of one prompt per bucket, long enough
   to reach it (the prompt is prefilled once per bucket and then read from the prefix cache).
@@ -29,7 +30,8 @@ from tqdm import tqdm
 
 from tx import types
 from tx.backends.batching import model_pass_shapes
-from tx.sampling.paged_calls import block_bucket, kv_blocks_bucketed, slot_count, table_blocks, table_width
+from tx.sampling.paged_calls import (block_bucket, kv_blocks_bucketed, prefill_row_count, slot_count, table_blocks,
+                                    table_width)
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,26 @@ SCRATCH = "__precompile__"
 def sample_slot_counts(max_num_seqs: int, multiple: int) -> list[int]:
     """Every decode slot count of the paged engine (`paged_calls.slot_count` of 1 .. max_num_seqs live rows)."""
     return sorted({slot_count(n, max_num_seqs, multiple) for n in range(1, max_num_seqs + 1)})
+
+
+def prefill_prompt_lengths(max_seq_len: int, chunk: int, prefill_rows: int, max_num_seqs: int, fsdp: int
+                           ) -> list[list[int]]:
+    """For each prefill row count (`paged_calls.prefill_row_count`) that the slot-count runs (n one-chunk
+    prompts: n chunks) do not reach, the lengths of prompts whose first prefill call takes it: one
+    iteration admits up to `max_num_seqs` one-sample requests, each prompt spanning at most the chunks of
+    one with 2 new tokens (max_seq_len - 2 tokens; its last token is not prefilled)."""
+    per_prompt = max(1, (max_seq_len - 4) // chunk + 1)
+    most = max_num_seqs * per_prompt
+    reached = {prefill_row_count(n, prefill_rows, fsdp) for n in sample_slot_counts(max_num_seqs, fsdp)}
+    wanted: dict[int, int] = {}  # row count -> the most chunks that take it
+    for w in range(1, most + 1):
+        wanted[prefill_row_count(w, prefill_rows, fsdp)] = w
+    out = []
+    for rows in sorted(set(wanted) - reached):
+        w = wanted[rows]
+        chunks = [per_prompt] * (w // per_prompt) + ([w % per_prompt] if w % per_prompt else [])
+        out.append([(c - 1) * chunk + 2 for c in chunks])  # c chunks of prefix: (c - 1) * chunk + 1 tokens
+    return out
 
 
 def decode_block_prompts(max_seq_len: int, page: int, kv_block: int) -> list[int]:
@@ -64,8 +86,9 @@ def _train_batch(rows: int, length: int, loss_fn: str, vocab: int, rng: np.rando
         all_loss_fn_configs=[None] * rows, request_batch_slices=[("precompile", SCRATCH, 0, rows)])
 
 
-def _sample_batch(n: int, prompt_len: int, vocab: int, rng: np.random.Generator) -> types.PreparedSampleBatch:
-    prompts = rng.integers(3, vocab, (n, prompt_len)).tolist()  # distinct: no prefix-cache hits
+def _sample_batch(lengths: list[int], vocab: int, rng: np.random.Generator) -> types.PreparedSampleBatch:
+    prompts = [rng.integers(3, vocab, n).tolist() for n in lengths]  # distinct: no prefix-cache hits
+    n = len(prompts)
     return types.PreparedSampleBatch(
         all_prompts=prompts, all_sampling_params=[types.SamplingParams(max_tokens=2, seed=i) for i in range(n)],
         all_model_ids=[SCRATCH] * n, all_checkpoint_ids=[""] * n, all_checkpoint_paths=[""] * n,
@@ -99,6 +122,8 @@ def precompile(backend: Any, impl: Any, loss_fns: tuple[str, ...] = ("cross_entr
     bucketed = (slot_counts and cfg.paged_attention_impl == "blocked"
                 and kv_blocks_bucketed(cfg.paged_kv_blocks, impl.model.platform))
     block_prompts = decode_block_prompts(impl.max_seq_len, cfg.kv_page_size, cfg.kv_block) if bucketed else []
+    prefill_sets = prefill_prompt_lengths(impl.max_seq_len, cfg.prefill_chunk, cfg.prefill_rows, cfg.max_num_seqs,
+                                          fsdp) if slot_counts else []
     rng = np.random.default_rng(0)
     start = time.perf_counter()
     before = dict(impl.metrics.compiles)
@@ -113,7 +138,9 @@ def precompile(backend: Any, impl: Any, loss_fns: tuple[str, ...] = ("cross_entr
         train_s = time.perf_counter() - start
         prompt_len = max(2, min(cfg.prefill_chunk, impl.max_seq_len - 2))
         for n in tqdm(slot_counts, desc="precompile sampling", disable=None):
-            _failed(backend.sample(_sample_batch(n, prompt_len, vocab, rng)), f"sampling {n} rows")
+            _failed(backend.sample(_sample_batch([prompt_len] * n, vocab, rng)), f"sampling {n} rows")
+        for lengths in tqdm(prefill_sets, desc="precompile prefill rows", disable=None):
+            _failed(backend.sample(_sample_batch(lengths, vocab, rng)), f"prefilling prompts of {lengths} tokens")
         prompts = [rng.integers(3, vocab, length).tolist() for length in block_prompts]
         work = [(n, prompt) for prompt in prompts for n in slot_counts]
         for n, prompt in tqdm(work, desc="precompile decode block buckets", disable=None):
@@ -123,7 +150,7 @@ def precompile(backend: Any, impl: Any, loss_fns: tuple[str, ...] = ("cross_entr
         backend.delete_model(SCRATCH)
     compiled = {k: v - before.get(k, 0) for k, v in impl.metrics.compiles.items() if v != before.get(k, 0)}
     summary = {"forward_backward_shapes": len(shapes), "loss_fns": list(loss_fns), "sample_slot_counts": slot_counts,
-               "decode_block_prompts": block_prompts,
+               "prefill_prompt_lengths": prefill_sets, "decode_block_prompts": block_prompts,
                "compiled": compiled, "train_s": round(train_s, 1), "total_s": round(time.perf_counter() - start, 1)}
     logger.info("precompiled %s", summary)
     return summary

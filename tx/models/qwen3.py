@@ -101,24 +101,23 @@ class DecoderStack(nnx.Module):
         graphdef, state = nnx.split(self.layer)
         return graphdef, None, state
 
-    def layer_states(self) -> list:
-        """The scanned state one layer at a time (static slices, so copies of each layer's weights). A decode
-        call takes them once, before its step loop: under `lax.scan` every step would slice every layer's
-        weights out of the stack again (a copy per weight per layer per step on CPU, and on GPU where the
-        matmul cannot read the slice in place)."""
-        _, _, state = self._split()
-        return [jax.tree.map(lambda a, i=i: a[i], state) for i in range(len(self.layer_ids))]
+    def scanned_state(self):
+        """The state `lax.scan` slices per layer (every weight stacked on a leading layer axis; MoE expert
+        kernels kept whole are not in it). Unrolled decode (tx/sampling/layer_copies.py) copies it out one
+        layer at a time: under the scan every decode step slices every layer's weights out of the stack
+        again (a copy per weight, layer and step on CPU, and on GPU where a matmul cannot read the slice in
+        place)."""
+        return self._split()[2]
 
     def layer_bytes(self) -> int:
-        """Bytes of the scanned state on one device: what `layer_states` copies."""
-        _, _, state = self._split()
-        return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(state))
+        """Bytes of the scanned state on one device: what unrolled decode copies."""
+        return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(self.scanned_state()))
 
     def __call__(self, x_btd, cos_sin, mask_bts, adapter_b: jax.Array | None, cache=None, return_kv=False,
                  layers: list | None = None):
         """Hidden states, and keys/values: None; `[L, b, t, kv, d]` pairs if `return_kv` (prefill); or the
         updated `[L, b, s, kv, d]` cache pair when `cache = (k, v, write_pos_b)` is given (decode). With a
-        `PagedKV` cache, `layers` (`layer_states()`) runs the layers one by one on those arrays."""
+        `PagedKV` cache, `layers` (one `scanned_state()` per layer) runs the layers one by one on those arrays."""
         graphdef, whole, state = self._split()
         layer_l = jnp.arange(len(self.layer_ids), dtype=jnp.int32)
 
@@ -312,19 +311,19 @@ class Qwen3ForCausalLM(nnx.Module):
     ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
         """Tokens at `positions_bt` of sequences whose KV pages are `table_bw` (a prefill chunk, or one
         decode token per row): each stack writes their keys/values into its page pools `[L, N, P, kv, d]`
-        and attends over the sequences' pages (`kv_blocks`: see `paged_attention`). `layers`
-        (`layer_states()`): run each stack's layers one by one on those per-layer arrays. Returns final
+        and attends over the sequences' pages (`kv_blocks`: see `paged_attention`). `layers` (per stack,
+        its `scanned_state()` one layer at a time): run the layers one by one on those arrays. Returns final
         hidden states `[b, t, d]` and the pools."""
         paged = [PagedKV(k, v, jnp.int32(0), table_bw, positions_bt, valid_bt, impl, kv_block, self.platform,
                          kv_blocks) for k, v in pools]
         return self._layers(ids_bt, positions_bt, None, adapter_indices_b, paged, False, layers)
 
-    def layer_states(self) -> list[list]:
-        """Each stack's `DecoderStack.layer_states()`."""
-        return [stack.layer_states() for stack in self.stacks]
+    def scanned_states(self) -> list:
+        """Each stack's `DecoderStack.scanned_state()`."""
+        return [stack.scanned_state() for stack in self.stacks]
 
     def layer_bytes(self) -> int:
-        """What `layer_states()` copies, in bytes on one device."""
+        """The scanned states' bytes on one device (what unrolled decode copies)."""
         return sum(stack.layer_bytes() for stack in self.stacks)
 
     def _layers(self, ids_bt, positions_bt, mask_bts, adapter_b, decode, return_kv, layers=None):

@@ -3,7 +3,7 @@ inputs of `prefill_chunk` and `decode_steps` (tx/sampling/paged_step.py), then t
 
 `tx/sampling/continuous.py` decides which prompts and rows run (pages, slots, preemption); this module
 only turns its `_Group`s (prompts being prefilled) and `_Live` rows (decode slots) into arrays. Few shapes,
-so few programs: prefill rows go in powers of 4 up to `prefill_rows`, decode slots in powers of 2 up to
+so few programs: prefill rows go in powers of 2 up to `prefill_rows`, decode slots in powers of 2 up to
 `max_num_seqs` (both rounded up to the fsdp size: rows are split over its devices), stop lists in powers of
 2 >= 8, and top-k has one width.
 """
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tx.sampling.layer_copies import LayerCopies
 from tx.sampling.paged_step import PrefillInputs, SlotInputs, decode_steps, prefill_chunk
 
 if TYPE_CHECKING:
@@ -30,6 +31,13 @@ def slot_count(live: int, max_num_seqs: int, fsdp: int) -> int:
     fsdp size."""
     s = min(pow2(live), max_num_seqs)
     return -(-s // fsdp) * fsdp
+
+
+def prefill_row_count(wanted: int, prefill_rows: int, fsdp: int) -> int:
+    """Rows of a prefill call whose prompts want `wanted` chunks: a power of two (few programs, at most half
+    padding), at most `prefill_rows`, rounded up to the fsdp size."""
+    r = min(pow2(wanted), prefill_rows)
+    return -(-r // fsdp) * fsdp
 
 
 def table_width(max_seq_len: int, page: int) -> int:
@@ -55,10 +63,10 @@ def kv_blocks_bucketed(setting: str, platform: str) -> bool:
 
 
 def decode_layers_unrolled(setting: str, platform: str, devices: int, layer_bytes: int, free_bytes: int) -> bool:
-    """Whether decode calls copy the layer weights out once and run the layers one by one
-    (`paged_decode_layers`; "auto": on a one-device CPU mesh, when the copy, `layer_bytes`, is at most a
-    quarter of `free_bytes`. Not yet on GPUs, where it is unmeasured (a longer compile against the MLP
-    weights' copies per step), nor on TPUs, whose matmuls read a scanned layer's slice in place, nor over
+    """Whether decode calls run the layers one by one on per-layer copies of their weights, made once and
+    kept (`paged_decode_layers`, tx/sampling/layer_copies.py; "auto": on a one-device CPU mesh, when the
+    copy, `layer_bytes`, is at most a quarter of `free_bytes`. Not yet on GPUs, where it is unmeasured (a
+    longer compile against the MLP weights' copies per step), nor on TPUs, whose matmuls read a scanned layer's slice in place, nor over
     several devices, where each layer's weights are gathered per layer and step under the scan). One device
     means one process, so "auto" needs no agreement between hosts."""
     fits = 4 * layer_bytes <= free_bytes
@@ -76,13 +84,6 @@ def free_memory_bytes() -> int:
     if stats.get("bytes_limit"):
         return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
-
-
-def pow4(n: int) -> int:
-    p = 1
-    while p < n:
-        p *= 4
-    return p
 
 
 class PagedDevice:
@@ -104,6 +105,7 @@ class PagedDevice:
         self.stats = stats
         self.unrolled = decode_layers_unrolled(cfg.paged_decode_layers, platform, self.backend.mesh.size,
                                                self.backend.model.layer_bytes(), free_bytes)
+        self.layer_copies = LayerCopies() if self.unrolled else None
         self.pools: list | None = None
         self.sequences: dict[str, list[int]] = {}  # stop string -> its device sequence ([]: host check only)
 
@@ -124,6 +126,10 @@ class PagedDevice:
                                 for _ in range(2)) for s in model.stacks]
         return self.pools
 
+    def _layers(self, model) -> list | None:
+        """Unrolled calls' per-layer weights (kept between calls), or None: the calls scan the stacks."""
+        return self.layer_copies.get(model) if self.layer_copies else None
+
     def kv_blocks(self, last_pos: int) -> int | None:
         """The static block count of a decode call whose furthest input sits at `last_pos` (`block_bucket`),
         or None where the device finds it. (Prefill calls always let the device find it: a few host round
@@ -140,11 +146,10 @@ class PagedDevice:
 
     def prefill(self, groups: list[_Group]) -> None:
         """One call writing up to `prefill_rows` chunks of the groups' prompts (in order) into their pages
-        (as many rows as they need, in powers of 4); advances each group's `prefilled`."""
+        (as many rows as they need, in powers of 2); advances each group's `prefilled`."""
         c = self.chunk
         wanted = sum((g.prefix - 1) // c - g.prefilled // c + 1 for g in groups if g.prefilled < g.prefix)
-        r = min(pow4(wanted), self.chunk_rows)  # rows in powers of 4: few programs, little padding
-        r = -(-r // self.fsdp) * self.fsdp
+        r = prefill_row_count(wanted, self.chunk_rows, self.fsdp)
         arrays = {"ids_rc": np.zeros((r, c), np.int32), "pos_rc": np.zeros((r, c), np.int32),
                   "valid_rc": np.zeros((r, c), bool), "adapter_r": np.zeros(r, np.int32),
                   "table_rw": np.zeros((r, self.width), np.int32)}
@@ -163,8 +168,9 @@ class PagedDevice:
                 g.prefilled = end
                 used += 1
         inp = PrefillInputs(**self.sampler._put(arrays))
-        self.pools = self._call("sample_prefill", ("sample_prefill", r, c), prefill_chunk, self.backend.model,
-                                self._pools(), inp, impl=self.impl, kv_block=self.kv_block)
+        model = self.backend.model
+        self.pools = self._call("sample_prefill", ("sample_prefill", r, c), prefill_chunk, model, self._pools(), inp,
+                                self._layers(model), impl=self.impl, kv_block=self.kv_block)
 
     def decode(self, live: list[_Live], bound: int) -> list[bool]:
         """One call of up to `bound` steps (<= `max_decode_steps_per_call`: a traced value, one program) for
@@ -182,9 +188,10 @@ class PagedDevice:
         # the furthest position a row's input reaches in this call (a row stops at its last)
         blocks = self.kv_blocks(max(min(lv.pos + bound - 1, lv.last) for lv in live))
         key = ("sample_decode", s, self.steps, stop_width, topk, penalized, seq_shape, blocks)
-        self.pools, out = self._call("sample_decode", key, decode_steps, self.backend.model, self._pools(), inp,
-                                     np.int32(bound), steps=self.steps, topk=topk, impl=self.impl,
-                                     kv_block=self.kv_block, kv_blocks=blocks, unrolled=self.unrolled)
+        model = self.backend.model
+        self.pools, out = self._call("sample_decode", key, decode_steps, model, self._pools(), inp, np.int32(bound),
+                                     self._layers(model), steps=self.steps, topk=topk, impl=self.impl, kv_block=self.kv_block,
+                                     kv_blocks=blocks)
         from tx.models.sharding import to_host
 
         tokens_sk, logprobs_sk, new_s, done_s, hit_s, top_ids, top_lps = [None if x is None else to_host(x)

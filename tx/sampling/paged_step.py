@@ -1,7 +1,7 @@
 """Device programs of the paged sampling engine (`tx/sampling/continuous.py` drives them).
 
 - `prefill_chunk`: `[R, C]` prompt tokens (each row a chunk of one prompt, at absolute positions) write
-  their keys/values into the page pools. Nothing is returned but the pools: a prompt is prefilled up to,
+  their keys/values into the page pools (like `decode_steps`, on per-layer weight copies when given). Nothing is returned but the pools: a prompt is prefilled up to,
   not including, its last token, which each sampled row feeds itself as its first decode input.
 - `copy_pages`: page `src[m]` -> page `dst[m]` in every layer (copy-on-write of a shared partial page).
 - `decode_steps`: first the copies newly admitted slots need (one pair per slot, no program of its own),
@@ -73,9 +73,9 @@ class StepOutputs(NamedTuple):
     top_logprobs_skq: jax.Array | None
 
 
-def prefill_chunk(model, pools: Pools, inp: PrefillInputs, impl: str, kv_block: int) -> Pools:
+def prefill_chunk(model, pools: Pools, inp: PrefillInputs, layers: list | None, impl: str, kv_block: int) -> Pools:
     _, pools = model.paged_forward(inp.ids_rc, inp.pos_rc, inp.valid_rc, inp.adapter_r, pools, inp.table_rw,
-                                   impl, kv_block)
+                                   impl, kv_block, layers=layers)
     return pools
 
 
@@ -97,12 +97,11 @@ def slot_keys(seed_s: jax.Array, gen_s: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, g: jax.random.fold_in(jax.random.key(s), g))(seed_s.astype(jnp.uint32), gen_s)
 
 
-def decode_steps(model, pools: Pools, inp: SlotInputs, bound: jax.Array, steps: int, topk: int, impl: str,
-                 kv_block: int, kv_blocks: int | None = None, unrolled: bool = False) -> tuple[Pools, StepOutputs]:
+def decode_steps(model, pools: Pools, inp: SlotInputs, bound: jax.Array, layers: list | None, steps: int, topk: int,
+                 impl: str, kv_block: int, kv_blocks: int | None = None) -> tuple[Pools, StepOutputs]:
     s = inp.token_s.shape[0]
-    # `unrolled`: every layer's weights sliced out of the stacks once, here, and the layers run one by one
-    # in each step on those arrays (a transient copy of the layer weights; see `DecoderStack.layer_states`)
-    layers = model.layer_states() if unrolled else None
+    # `layers` (unrolled decode): per stack, its weights one layer at a time (tx/sampling/layer_copies.py);
+    # each step runs the layers one by one on them. None: the model's stacks under `lax.scan`.
     # before any slot reads its pages; the page ids go to every device (each fsdp replica of the pools copies
     # every pair locally, instead of gathering the copied pages of the other rows' shards)
     src_s, dst_s = (model.layout.constrain(x, (None,)) for x in (inp.copy_src_s, inp.copy_dst_s))
