@@ -94,6 +94,36 @@ def test_training_one_adapter_leaves_the_other_bit_identical(tiny_dirs):
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, np.asarray(y)), opt_b, backend.opt_state_of("b"))
 
 
+def test_passes_skip_the_head_delta_only_where_no_row_adapts_the_head(tiny_dirs, monkeypatch):
+    """An adapter that does not train the LM head has head scale 0: its passes skip the head's LoRA delta
+    (exactly zero for it) and give the same log-probs, losses and gradient sums, bit for bit, as the pass
+    that computes it; a batch with a row of a head-training adapter computes it, and that adapter's head
+    factors train."""
+    backend = new_backend(tiny_dirs)
+    backend.create_model("n", types.LoraConfig(rank=8, alpha=16, seed=3, train_unembed=False))
+    datums = random_datums(4, [11, 6, 9])
+    plain = backend.forward_backward(make_batch([ce_request("r", "n", datums)]))["r"]
+    skipped = {k[-1] for k in backend._fns if k[0] == "grads"}
+    assert skipped == {False}  # the program without the head delta
+    grads_plain = backend.grad_sum_of("n")
+    backend.delete_model("n")
+    backend.create_model("n", types.LoraConfig(rank=8, alpha=16, seed=3, train_unembed=False))
+    monkeypatch.setattr(backend, "_head_adapted", lambda slots: True)  # force the delta in
+    forced = backend.forward_backward(make_batch([ce_request("r", "n", datums)]))["r"]
+    monkeypatch.undo()
+    for x, y in zip(plain.loss_fn_outputs, forced.loss_fn_outputs):
+        for key in ("logprobs", "elementwise_loss"):
+            assert np.array_equal(x[key].to_numpy(), y[key].to_numpy()), key
+    for k, v in backend.grad_sum_of("n").items():
+        assert np.array_equal(grads_plain[k], v), k
+    # a row of "a" (trains the head) in the batch: the delta is computed and a's head factors get gradients
+    mixed = make_batch([ce_request("ra", "a", datums[:1]), ce_request("rn", "n", datums[1:])])
+    assert backend._head_adapted({backend.models["a"].adapter_index, backend.models["n"].adapter_index})
+    backend.forward_backward(mixed)
+    head = {k: v for k, v in backend.grad_sum_of("a").items() if k.startswith("lm_head")}
+    assert head and any(np.any(v) for v in head.values())
+
+
 def _grads(backend, model_id):
     return backend.grad_sum_of(model_id)
 

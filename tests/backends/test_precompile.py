@@ -127,14 +127,16 @@ def _sample(n: int, model_id: str, rng) -> types.PreparedSampleBatch:
 
 def test_precompile_leaves_nothing_to_compile(tiny_dirs):
     backend = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(
-        max_lora_adapters=3, max_lora_rank=4, max_seq_len=MAX_SEQ, train_micro_batch_tokens=BUDGET,
+        max_lora_adapters=4, max_lora_rank=4, max_seq_len=MAX_SEQ, train_micro_batch_tokens=BUDGET,
         max_num_seqs=2, prefill_rows=4, prefill_chunk=16))
     backend.create_model("tenant", types.LoraConfig(rank=4, seed=1))
+    backend.create_model("no-head", types.LoraConfig(rank=4, seed=2, train_unembed=False))
     lora_before = backend.grad_sum_of("tenant")
     summary = precompile(backend, backend)
     assert not backend.has_model(SCRATCH)
     shapes = model_pass_shapes(MAX_SEQ, BUDGET, 0, 1)
-    assert summary["compiled"]["forward_backward"] == 2 * len(shapes)  # grads + accumulate per shape
+    # grads + accumulate per shape, for adapters with and without a LoRA LM head
+    assert summary["compiled"]["forward_backward"] == 2 * 2 * len(shapes)
     assert summary["sample_slot_counts"] == [1, 2]
     for k, v in backend.grad_sum_of("tenant").items():  # the tenant's state is untouched
         np.testing.assert_array_equal(v, lora_before[k])
@@ -142,8 +144,9 @@ def test_precompile_leaves_nothing_to_compile(tiny_dirs):
     rng = np.random.default_rng(1)
     for _ in range(4):
         lengths = rng.integers(1, MAX_SEQ + 1, int(rng.integers(1, 6))).tolist()
-        out = backend.forward_backward(_train(lengths, "tenant", rng))["fb"]
-        assert isinstance(out, types.ForwardBackwardOutput), out
+        for model_id in ("tenant", "no-head"):
+            out = backend.forward_backward(_train(lengths, model_id, rng))["fb"]
+            assert isinstance(out, types.ForwardBackwardOutput), out
         res = backend.sample(_sample(int(rng.integers(1, 4)), "tenant", rng))
         assert all(isinstance(r, types.SampleOutput) for r in res.values()), res
     assert backend.metrics.compiles == compiled, "a program compiled after --precompile"

@@ -260,12 +260,13 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         aux = tuple(k for k in losses.AUX_INPUTS if any(k in losses.get(loss_names[r.loss_index]).aux for r in rows))
         tempered = any(r.temperature != 1.0 for r in rows)
         with_logprobs = any(losses.get(loss_names[r.loss_index]).needs_logprobs for r in rows)
+        head_lora = self._head_adapted({r.adapter for r in rows})
         fns = {
             mode: self._fn((mode, loss_names, losses.version(), losses.config_keys(), extra_keys, aux, tempered,
-                            with_logprobs),
+                            with_logprobs, head_lora),
                            lambda mode=mode: make_model_pass(graphdef, self.config.loss_chunk_size, mode,
                                                              self._counted(name), self._grad_dtype, extra_keys,
-                                                             aux, tempered, with_logprobs))
+                                                             aux, tempered, with_logprobs, head_lora))
             for mode in (("grads", "accumulate") if with_grad else ("forward",))
         }
         fsdp = self.mesh.shape["fsdp"]
@@ -320,6 +321,12 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
             loss_sum = float(sum(elementwise[i].astype(np.float64).sum() for i in members))
             results[request_id] = types.ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": loss_sum})
         return results
+
+    def _head_adapted(self, slots: set[int]) -> bool:
+        """Whether any of `slots` has a LoRA delta on the LM head (a non-zero scale: it trains the head, or
+        loaded weights for it); where none does, passes skip the head's delta, exactly zero for them."""
+        scale_a = to_host(self.model.head_lora_scale())
+        return bool(np.any(scale_a[sorted(slots)] != 0))
 
     def _commit(self, batch, rows, by_request: dict[int, list[int]], failed: dict[int, str], acc) -> dict[int, str]:
         """Add the call's gradients `acc` into the sums of the slots whose requests all succeeded and whose

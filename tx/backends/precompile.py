@@ -3,7 +3,8 @@ a compile later (with the persistent compilation cache, a restart then reads the
 
 What is compiled, by running each program once on a scratch adapter (created, then deleted; nothing else
 is touched):
-- forward_backward, per loss function given: its "grads" and "accumulate" programs at every padded
+- forward_backward, per loss function given and for adapters that train the LM head and those that do not
+  (the latter skip its LoRA delta): its "grads" and "accumulate" programs at every padded
   micro-batch shape (`batching.model_pass_shapes`: lengths bucketed 16, 24, 32, 48, 64, 96, ... up to
   max_seq_len, so padding stays under 50% with a logarithmic number of shapes; rows in powers of two times
   the fsdp size within `train_micro_batch_tokens` / `train_micro_batch_size`, since the planner packs rows
@@ -127,10 +128,17 @@ def precompile(backend: Any, impl: Any, loss_fns: tuple[str, ...] = ("cross_entr
     rng = np.random.default_rng(0)
     start = time.perf_counter()
     before = dict(impl.metrics.compiles)
-    backend.create_model(SCRATCH, types.LoraConfig(rank=cfg.max_lora_rank, seed=0))
+    backend.create_model(SCRATCH, types.LoraConfig(rank=cfg.max_lora_rank, seed=0, train_unembed=False))
     try:
-        work = [(loss, shape) for loss in loss_fns for shape in shapes]
-        for loss, (rows, seq, length) in tqdm(work, desc="precompile forward_backward", disable=None):
+        # passes over adapters that train the LM head and passes over adapters that do not (which skip the
+        # head's LoRA delta) are different programs: the scratch adapter runs every shape both ways
+        work = [(head, loss, shape) for head in (False, True) for loss in loss_fns for shape in shapes]
+        trains_head = False
+        for head, loss, (rows, seq, length) in tqdm(work, desc="precompile forward_backward", disable=None):
+            if head and not trains_head:
+                backend.delete_model(SCRATCH)
+                backend.create_model(SCRATCH, types.LoraConfig(rank=cfg.max_lora_rank, seed=0))
+                trains_head = True
             # 2 x rows rows in two micro-batches of `rows`: the "grads" program, then the "accumulate" one
             plan = [list(range(rows)), list(range(rows, 2 * rows))]
             _failed(backend.forward_backward_planned(_train_batch(2 * rows, length, loss, vocab, rng), plan),

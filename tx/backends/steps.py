@@ -48,6 +48,7 @@ def make_model_pass(
     aux: tuple[str, ...] = (),
     tempered: bool = False,
     with_logprobs: bool = True,
+    head_lora: bool = True,
 ) -> Callable:
     """The jitted pass of one micro-batch, by `mode` (gradients cast to `grad_dtype` when given):
 
@@ -60,7 +61,9 @@ def make_model_pass(
     value head on the final hidden states). They are loss inputs (with their gradients) and outputs.
     `tempered`: log-probs and entropy are of softmax(logits / batch["temperature"][row]) (compiled apart, so
     untempered passes pay nothing). `with_logprobs=False` (no row's loss reads them, no entropy): the LM head is
-    skipped and target_logprobs are zeros.
+    skipped and target_logprobs are zeros. `head_lora=False` (no row's adapter trains the LM head: its LoRA
+    scale is 0, so its delta and gradients are exactly zero): the head's LoRA delta is not computed (the
+    per-block in-place add over the vocabulary and its backward cost ~5% of a 100M model's step on CPU).
 
     `extra_keys` are the extra per-token loss inputs the batch carries (`losses.extra_input_keys()`).
     None of them reads the gradient sums: a call accumulates into its own temporary and the backend
@@ -76,14 +79,15 @@ def make_model_pass(
         inputs = {k: batch[k] for k in losses.INPUT_KEYS + extra_keys}
         aux_bt = {}
         temperature_b = batch["temperature"] if tempered else None
+        head_adapter_b = adapter_b if head_lora else None
         if not with_logprobs and "entropy" not in aux:  # e.g. a critic's pass: V needs no vocabulary projection
             tlp_bt = jnp.zeros(batch["targets"].shape, jnp.float32)
         elif "entropy" in aux:
-            tlp_bt, aux_bt["entropy"] = model.target_logprobs(hidden_btd, batch["targets"], adapter_b,
+            tlp_bt, aux_bt["entropy"] = model.target_logprobs(hidden_btd, batch["targets"], head_adapter_b,
                                                               chunk_size=chunk_size, with_entropy=True,
                                                               temperature_b=temperature_b)
         else:
-            tlp_bt = model.target_logprobs(hidden_btd, batch["targets"], adapter_b, chunk_size=chunk_size,
+            tlp_bt = model.target_logprobs(hidden_btd, batch["targets"], head_adapter_b, chunk_size=chunk_size,
                                            temperature_b=temperature_b)
         if "values" in aux:
             aux_bt["values"] = model.values(hidden_btd, adapter_b)

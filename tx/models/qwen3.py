@@ -344,6 +344,11 @@ class Qwen3ForCausalLM(nnx.Module):
         """float32 logits [b, t, vocab] (small t: sampling, tests; training uses `target_logprobs`)."""
         return self.lm_head(h_btd, self.embed_tokens.embedding[...], adapter_indices_b)
 
+    def head_lora_scale(self) -> jax.Array:
+        """float32 [A]: each adapter slot's LM-head LoRA scale (0 where the slot does not train the head, whose
+        delta is then exactly zero: passes over such slots skip it)."""
+        return self.lm_head.lora_scale[...]
+
     def values(self, hidden_btd: jax.Array, adapter_indices_b: jax.Array) -> jax.Array:
         """float32 V [b, t]: each row's adapter's value head on the final hidden states."""
         w_bd = self.lm_head.value_head[...][adapter_indices_b, :, 0]
