@@ -126,10 +126,6 @@ class PagedDevice:
                                 for _ in range(2)) for s in model.stacks]
         return self.pools
 
-    def _layers(self, model) -> list | None:
-        """Unrolled calls' per-layer weights (kept between calls), or None: the calls scan the stacks."""
-        return self.layer_copies.get(model) if self.layer_copies else None
-
     def kv_blocks(self, last_pos: int) -> int | None:
         """The static block count of a decode call whose furthest input sits at `last_pos` (`block_bucket`),
         or None where the device finds it. (Prefill calls always let the device find it: a few host round
@@ -168,9 +164,8 @@ class PagedDevice:
                 g.prefilled = end
                 used += 1
         inp = PrefillInputs(**self.sampler._put(arrays))
-        model = self.backend.model
-        self.pools = self._call("sample_prefill", ("sample_prefill", r, c), prefill_chunk, model, self._pools(), inp,
-                                self._layers(model), impl=self.impl, kv_block=self.kv_block)
+        self.pools = self._call("sample_prefill", ("sample_prefill", r, c), prefill_chunk, self.backend.model,
+                                self._pools(), inp, impl=self.impl, kv_block=self.kv_block)
 
     def decode(self, live: list[_Live], bound: int) -> list[bool]:
         """One call of up to `bound` steps (<= `max_decode_steps_per_call`: a traced value, one program) for
@@ -189,8 +184,9 @@ class PagedDevice:
         blocks = self.kv_blocks(max(min(lv.pos + bound - 1, lv.last) for lv in live))
         key = ("sample_decode", s, self.steps, stop_width, topk, penalized, seq_shape, blocks)
         model = self.backend.model
+        layers = self.layer_copies.get(model) if self.layer_copies else None  # None: the program scans the stacks
         self.pools, out = self._call("sample_decode", key, decode_steps, model, self._pools(), inp, np.int32(bound),
-                                     self._layers(model), steps=self.steps, topk=topk, impl=self.impl, kv_block=self.kv_block,
+                                     layers, steps=self.steps, topk=topk, impl=self.impl, kv_block=self.kv_block,
                                      kv_blocks=blocks)
         from tx.models.sharding import to_host
 
