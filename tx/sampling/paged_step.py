@@ -1,10 +1,11 @@
 """Device programs of the paged sampling engine (`tx/sampling/continuous.py` drives them).
 
 - `prefill_chunk`: `[R, C]` prompt tokens (each row a chunk of one prompt, at absolute positions) write
-  their keys/values into the page pools. It always scans the stacks: its per-layer weight slices are
-  amortised over a chunk's tokens, and unrolled, its large activations stayed live across layers (+0.5 GB
-  peak in bench_peer's RL sampling workload, for ~5% of a prefill call). Nothing is returned but the pools: a prompt is prefilled up to,
-  not including, its last token, which each sampled row feeds itself as its first decode input.
+  their keys/values into the page pools. Nothing is returned but the pools: a prompt is prefilled up to,
+  not including, its last token, which each sampled row feeds itself as its first decode input. It always
+  scans the stacks: its per-layer weight slices are amortised over a chunk's tokens, and unrolled, its
+  large activations stayed live across layers (+0.5 GB peak in bench_peer's RL sampling workload, for ~5%
+  of a prefill call).
 - `copy_pages`: page `src[m]` -> page `dst[m]` in every layer (copy-on-write of a shared partial page).
 - `decode_steps`: first the copies newly admitted slots need (one pair per slot, no program of its own),
   then up to `bound` tokens for every active slot, in one `lax.while_loop` that also ends once every slot
