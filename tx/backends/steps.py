@@ -63,7 +63,8 @@ def make_model_pass(
     untempered passes pay nothing). `with_logprobs=False` (no row's loss reads them, no entropy): the LM head is
     skipped and target_logprobs are zeros. `head_lora=False` (no row's adapter trains the LM head: its LoRA
     scale is 0, so its delta and gradients are exactly zero): the head's LoRA delta is not computed (the
-    per-block in-place add over the vocabulary and its backward cost ~5% of a 100M model's step on CPU).
+    per-block in-place add over the vocabulary and its backward: 3.12 -> 2.72 s per 8x128 pass of a 100M
+    model on CPU).
 
     `extra_keys` are the extra per-token loss inputs the batch carries (`losses.extra_input_keys()`).
     None of them reads the gradient sums: a call accumulates into its own temporary and the backend

@@ -29,6 +29,8 @@ def _unstack(stacked: jax.Array) -> list[jax.Array]:
 
 
 class LayerCopies:
+    """The copies one engine keeps (`get` per decode call)."""
+
     def __init__(self) -> None:
         # (stack, leaf) -> (the stacked array it was copied from, by weak reference; its per-layer copies)
         self._leaves: dict[tuple[int, int], tuple[weakref.ref, list[jax.Array]]] = {}
