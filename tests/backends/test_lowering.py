@@ -190,7 +190,7 @@ def paged_decode(t: Target):
     model = t.lora_model
     inp = SlotInputs(**({"presence_sv": None} | t.batch(arrays)))
     static = dict(steps=2, topk=2, impl=PAGED_IMPL[t.platform], kv_block=32)
-    return fn, (abstract(model), _pools(t, model), inp, np.int32(2)), static
+    return fn, (abstract(model), _pools(t, model), inp, np.int32(2), None), static  # layers: the scan
 
 
 def static_generate(t: Target):
