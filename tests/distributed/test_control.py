@@ -1,11 +1,13 @@
 """The control channel in one process: who may join (defect 2) and how process 0 decides a call's outcome
 when hosts disagree (defect 4), with scripted workers speaking the protocol over real sockets."""
 
+import contextlib
 import hashlib
 import hmac
 import json
 import logging
 import os
+import signal
 import socket
 import stat
 import threading
@@ -280,30 +282,66 @@ def test_views_that_differ_abort_the_call_on_every_host():
     coordinator.shutdown(timeout=5)
 
 
-def test_a_stop_signal_during_a_call_takes_effect_once_the_call_ended_everywhere():
-    """SIGTERM on process 0 mid-call must not leave the workers inside the call (they could not take the
-    shutdown message and would exit 1): the stop is raised after every host finished the call."""
-    import signal
+def stop(*_):
+    raise SystemExit(143)  # tx.run's SIGTERM handler
 
+
+@contextlib.contextmanager
+def stop_on_sigterm():
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def send_sigterm(*after_s: float) -> None:
+    """SIGTERM to this process after each of `after_s` seconds (from a thread: it lands wherever the main
+    thread happens to be)."""
+    def send():
+        for wait in after_s:
+            time.sleep(wait)
+            os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=send, daemon=True).start()
+
+
+@pytest.mark.parametrize("phase", ["prepare", "execute"])
+def test_a_stop_signal_during_a_call_takes_effect_once_the_call_ended_everywhere(phase):
+    """SIGTERM on process 0 mid-call must not leave the workers inside the call (they could not take the
+    shutdown message and would exit 1): the stop is raised after every host finished the call, whether it
+    came while the workers were asked (before 'go') or while every host ran the call."""
     coordinator = pair(delay=0.6)  # the worker finishes its part 0.6 s after 'go'
     finished = []
 
+    def view():  # process 0 takes its view after the workers got the call, before it decides
+        if phase == "prepare":
+            signal.raise_signal(signal.SIGTERM)
+        return None
+
     def run():
+        if phase == "execute":
+            os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.4)
         finished.append("process 0")
         return "ok"
 
-    def stop(*_):
-        raise SystemExit(143)
+    with stop_on_sigterm():
+        start = time.monotonic()
+        with pytest.raises(SystemExit) as stopped:
+            coordinator.call("forward", {}, run=run, view=view)
+        assert stopped.value.code == 143 and finished == ["process 0"] and time.monotonic() - start >= 0.55
+        assert signal.getsignal(signal.SIGTERM) is stop  # the usual handler is back
+        assert coordinator.call("forward", {}, run=lambda: "next") == "next"  # nothing half-done is left
+    coordinator.shutdown(timeout=5)
 
-    previous = signal.signal(signal.SIGALRM, stop)
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 0.1)  # the stop arrives while both hosts are in the call
+
+def test_a_second_stop_signal_does_not_wait_for_the_call():
+    coordinator = pair(delay=None)  # the call never ends, on any host
+    with stop_on_sigterm():
+        send_sigterm(0.2, 0.3)
         start = time.monotonic()
         with pytest.raises(SystemExit):
-            coordinator.call("forward", {}, run=run)
-        assert finished == ["process 0"] and time.monotonic() - start >= 0.55
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+            coordinator.call("forward", {}, run=blocked)
+        assert 0.4 < time.monotonic() - start < 5
+        assert signal.getsignal(signal.SIGTERM) is stop
     coordinator.shutdown(timeout=5)

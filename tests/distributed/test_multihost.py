@@ -188,7 +188,7 @@ def test_sigterm_on_process_zero_shuts_every_host_down(tiny_dirs, tmp_path):
             for p in (p0, p1):
                 if p.poll() is None:
                     p.kill()
-    assert rc0 == 143 and rc1 == 0, (rc0, rc1, log1.read_text()[-2000:])
+    assert rc0 == 143 and rc1 == 0, (rc0, rc1, log0.read_text()[-3000:], log1.read_text()[-2000:])
     assert time.monotonic() - start < 60
 
 

@@ -19,6 +19,9 @@ Every call goes through these steps, so that all hosts agree on its outcome:
    checkpoints. A call that fails on every host changed nothing (the backend validates before it
    mutates) and is an ordinary error.
 
+A stop signal (SIGTERM, Ctrl-C) that reaches process 0 during a call takes effect once the call has ended
+on every host (a second one at once), so the workers are between calls and take the shutdown message.
+
 Workers send heartbeats from a separate thread. A closed connection (a dead worker) is noticed at once,
 missing heartbeats (a stopped or wedged host) after `heartbeat_timeout`, and a worker's failure while
 process 0 still runs the call after `heartbeat_timeout` at most (the time process 0 gets to fail the
@@ -27,8 +30,10 @@ same way); each raises `WorkerFailure` naming the process, and the coordinator r
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
+import signal
 import socket
 import threading
 import time
@@ -75,6 +80,42 @@ class _Worker:
 
 def _describe(errors: dict[int, str]) -> str:
     return "; ".join(f"process {pid}: {e}" for pid, e in sorted(errors.items()))
+
+
+@contextlib.contextmanager
+def _stops_deferred():
+    """Hold SIGTERM / SIGINT that arrive inside the block and deliver the first once it has ended.
+
+    A stop that interrupted a call half-way (say after 'go' but before process 0 started its part) would
+    leave the workers inside the call, in collectives that never complete, unable to take the shutdown
+    message; deferred, it takes effect once every host finished the call. Signals reach only the main
+    thread, so elsewhere (the engine's thread under the HTTP server) there is nothing to hold."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: h for s, h in previous.items() if h is not None}  # None: set outside Python, left alone
+
+    def restore() -> None:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+    def hold(signum: int, _frame) -> None:
+        held.append(signum)
+        if len(held) > 1:  # a second stop does not wait (a call that never ends could otherwise not be stopped)
+            restore()
+            signal.raise_signal(signum)
+
+    for s in previous:
+        signal.signal(s, hold)
+    try:
+        yield
+    finally:
+        if len(held) < 2:
+            restore()
+            if held:
+                signal.raise_signal(held[0])  # now the usual handler runs: stop, or the default action
 
 
 class Coordinator:
@@ -195,8 +236,9 @@ class Coordinator:
              view: Callable[[], dict | None] | None = None, target: str = "") -> Any:
         """Run `method` on every host: `run` is process 0's part, `view` its view of the call's files,
         `target` the backend (base model) it is meant for ("" = the first one)."""
-        seq = self.prepare(method, kwargs, view, target)
-        return self.execute(seq, method, run)
+        with _stops_deferred():
+            seq = self.prepare(method, kwargs, view, target)
+            return self.execute(seq, method, run)
 
     def prepare(self, method: str, kwargs: dict, view: Callable[[], dict | None] | None = None,
                 target: str = "") -> int:
@@ -226,19 +268,7 @@ class Coordinator:
         return seq
 
     def execute(self, seq: int, method: str, run: Callable[[], Any]) -> Any:
-        """Step 3: run process 0's part in a thread while polling the workers' reports. A stop signal
-        (SIGTERM, Ctrl-C) that arrives meanwhile takes effect once the call has ended on every host, so the
-        workers are between calls, and can take the shutdown message, when process 0 stops."""
-        stopping: list[BaseException] = []
-        try:
-            result = self._execute(seq, method, run, stopping)
-        except (SystemExit, KeyboardInterrupt) as e:
-            stopping.append(e)
-        if stopping:
-            raise stopping[0]
-        return result
-
-    def _execute(self, seq: int, method: str, run: Callable[[], Any], stopping: list[BaseException]) -> Any:
+        """Step 3: run process 0's part in a thread while polling the workers' reports."""
         box: dict[str, Any] = {}
 
         def target():
@@ -252,11 +282,7 @@ class Coordinator:
         replies: dict[int, dict] = {}
         failed_at = None
         while thread.is_alive():
-            try:
-                thread.join(POLL_S)
-            except (SystemExit, KeyboardInterrupt) as e:  # raised by a signal handler: finish the call first
-                stopping.append(e)
-                continue
+            thread.join(POLL_S)
             self._gather(seq, ("done",), replies)
             failed = {pid: r["error"] for pid, r in replies.items() if r.get("error")}
             if failed and failed_at is None:
