@@ -63,7 +63,7 @@ def main() -> None:
     )
 
     captured: list[tuple[str, object, tuple]] = []
-    real_run = backend._run
+    real_run = backend.runtime.run
 
     def capturing_run(name, fn, *call_args):
         # donated arguments are gone after the call: lower against their shapes and shardings
@@ -72,7 +72,7 @@ def main() -> None:
         captured.append((name, fn, shapes))
         return real_run(name, fn, *call_args)
 
-    backend._run = capturing_run
+    backend.runtime.run = capturing_run
     backend.forward(batch)  # compile outside the measured call
     import psutil
 

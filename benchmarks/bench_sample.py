@@ -206,7 +206,7 @@ def rl_workload(model_dir: Path, params: int, args, engines: list[str]) -> None:
             extra = {"preempted": stats["preempted"] - before["preempted"],
                      "prefill_tokens_cached": stats["prefill_tokens_cached"] - before["prefill_tokens_cached"]}
         else:
-            from tx.backends.batching import bucket_length, bucket_rows
+            from tx.runtime import bucket_length, bucket_rows
 
             prefill = n * k * plen
             kv_bytes = bucket_rows(n * k, 1) * (bucket_length(plen) + bucket_length(max(max_tokens))) * token_bytes

@@ -16,6 +16,6 @@ from tx.backends.base import AbstractBackend  # noqa: E402
 from tx.backends.config import JaxBackendConfig  # noqa: E402
 from tx.backends.jax import JaxBackend  # noqa: E402
 from tx.backends.full import FullBackend  # noqa: E402
+from tx.version import __version__  # noqa: E402
 
-__version__ = "0.1.0"
 __all__ = ["AbstractBackend", "FullBackend", "JaxBackend", "JaxBackendConfig", "losses", "types", "__version__"]

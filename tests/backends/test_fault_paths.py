@@ -41,7 +41,7 @@ def test_failed_micro_batch_commits_nothing_and_retry_counts_once(tiny_dirs, mon
     batch = make_batch([ce_request("ra", "a", random_datums(21, [12, 7, 5])), ce_request("rb", "b", random_datums(22, [8, 4]))])
     for b in (backend, clean):
         b.forward_backward(first)  # a holds sums from an earlier call
-    real_run = backend._run
+    real_run = backend.runtime.run
     for fail_on_call in (2, 3, 1):  # 5 rows: micro-batches of 2, 2, 1
         before = {m: state_of(backend, m) for m in ("a", "b")}
         calls = []
@@ -52,12 +52,12 @@ def test_failed_micro_batch_commits_nothing_and_retry_counts_once(tiny_dirs, mon
                 raise RuntimeError("injected failure in micro-batch")
             return real_run(name, fn, *args)
 
-        monkeypatch.setattr(backend, "_run", failing_run)
+        monkeypatch.setattr(backend.runtime, "run", failing_run)
         with pytest.raises(RuntimeError, match="injected failure"):
             backend.forward_backward(batch)
         for m in ("a", "b"):
             assert_bit_identical(before[m], state_of(backend, m))
-        monkeypatch.setattr(backend, "_run", real_run)
+        monkeypatch.setattr(backend.runtime, "run", real_run)
         backend.forward_backward(batch)  # the retry counts each datum once
         clean.forward_backward(batch)
         for m in ("a", "b"):

@@ -130,13 +130,13 @@ def test_plan_of_many_rounds_uses_few_shapes_and_is_fast():
 def record_shapes(backend):
     """(first call of the round?, [rows, tokens]) of every jit call of forward_backward: the first call of
     a round runs the "grads" program, later ones "accumulate" (each compiles once per shape)."""
-    shapes, real_run = [], backend._run
+    shapes, real_run = [], backend.runtime.run
 
     def run(name, fn, *args):
         shapes.append((len(args) == 3, tuple(args[-1]["input_ids"].shape)))
         return real_run(name, fn, *args)
 
-    backend._run = run
+    backend.runtime.run = run
     return shapes
 
 

@@ -153,7 +153,7 @@ def test_engine_delete_evicts_from_backend(tmp_path):
     engine.start()
     try:
         (tmp_path / "x.tar.gz").write_bytes(b"x")
-        engine._delete_checkpoint_files(str(tmp_path / "x.tar.gz"))  # as the API's delete route does
+        engine.delete_checkpoint_files(str(tmp_path / "x.tar.gz"))  # as the API's delete route does
         deadline = time.time() + 10
         while not backend.evicted and time.time() < deadline:
             time.sleep(0.05)

@@ -72,7 +72,7 @@ def _free_sample(backend) -> list[int]:
 
 def _with_stop(backend, stop: str) -> tuple[types.GeneratedSequence, int]:
     """The free sample's request with `stop`: its sequence, and the tokens the engine decoded for it."""
-    stats = backend._sampler._paged.stats
+    stats = backend.sampler.paged.stats
     before = stats["decode_tokens"]
     request = ("stop", "a", [(PROMPTS[2], SP(max_tokens=60, temperature=1.0, seed=9, stop=[stop]))], False, 0)
     return alone(backend, [request])["stop"].sequences[0], stats["decode_tokens"] - before
@@ -88,7 +88,7 @@ def test_a_row_ends_at_the_call_that_completes_a_stop_string(backend):
     sample cut after the first prefix whose text contains the stop (found here by decoding every prefix),
     and the engine decoded at most one call (4 steps) past it. The stop straddles a call boundary: its last
     character comes with the first token of a call, the others with the call before."""
-    tokens, sampler = _free_sample(backend), backend._sampler
+    tokens, sampler = _free_sample(backend), backend.sampler
     for end in range(9, 57, 4):  # calls of 4 steps: token end - 1 opens a call
         stop = sampler.decode_text(tokens[:end])[-3:]  # three characters the sample writes by its end-th token
         if (len(stop.strip()) == 3 and stop not in sampler.decode_text(tokens[end - 1:end])
@@ -107,7 +107,7 @@ def test_a_stop_string_in_the_tokenizers_own_tokens_ends_its_row_on_the_device(b
     row's last generated tokens carried through the decode loop and over call boundaries (the first token
     ends a call of 4 steps): the row ends at the token that completes it, and the answer equals the host's
     cut."""
-    tokens, sampler = _free_sample(backend), backend._sampler
+    tokens, sampler = _free_sample(backend), backend.sampler
     for start in range(7, 55, 4):
         seq = tokens[start:start + 3]
         stop = sampler.decode_text(seq)
@@ -185,7 +185,7 @@ def test_weights_changing_under_a_running_request_finish_it_first(backend):
     backend.forward_backward(make_batch([("fb", "a", [{"input_ids": prompt, "targets": prompt[1:] + [1]}],
                                           "cross_entropy", None)]))
     backend.optim_step("a", types.OptimStepInput(adam_params=types.AdamParams(learning_rate=0.5)))
-    assert backend._sampler._paged.reads(backend.models["a"].adapter_index) is False
+    assert backend.sampler.paged.reads(backend.models["a"].adapter_index) is False
     rest = drive(backend, [])
     same(want["on_a"], rest["on_a"])
     same(want["on_base"], rest["on_base"])

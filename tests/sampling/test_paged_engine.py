@@ -62,7 +62,7 @@ def test_paged_equals_static_and_transformers(tiny_dirs, engines):
     assert len({tuple(s.tokens) for s in got["s"].sequences}) == 5  # seed + i per sample
     # one prefill per request (the 5 samples of "s" and 2 of "k" share their prompt's), and requests repeating
     # an earlier prompt with the same weights read its full pages from the prefix cache
-    stats = paged._sampler._paged.stats
+    stats = paged.sampler.paged.stats
     per_request = sum(len(p) - 1 for p in PROMPTS) * 2 + len(PROMPTS[2]) - 1 + len(PROMPTS[0]) - 1
     assert stats["prefill_tokens"] + stats["prefill_tokens_cached"] == per_request
     assert stats["prefill_tokens_cached"] >= 8  # "s" repeats "ga2"'s 8-token prefix: 2 full pages
@@ -86,7 +86,7 @@ def test_small_pool_and_few_slots_wait_and_give_the_same_tokens(tiny_dirs, engin
     want, got = ample.sample(batch), tight.sample(batch)
     for request_id, *_ in requests:
         assert [s.tokens for s in want[request_id].sequences] == [s.tokens for s in got[request_id].sequences]
-    assert tight._sampler._paged.stats["peak_pages"] <= 50
+    assert tight.sampler.paged.stats["peak_pages"] <= 50
 
 
 def test_bucketed_block_counts_give_the_same_tokens_in_few_programs(tiny_dirs, engines, monkeypatch):
@@ -94,7 +94,7 @@ def test_bucketed_block_counts_give_the_same_tokens_in_few_programs(tiny_dirs, e
     of two; the same requests sample the same tokens and log-probs as the device-found count (the extra blocks
     are masked no-ops), each program's count covers its rows, and the programs grow by the buckets only."""
     _, dynamic = engines
-    assert dynamic._sampler._paged.device.kv_blocks(40) is None  # "auto" on CPU: the device finds the count
+    assert dynamic.sampler.paged.device.kv_blocks(40) is None  # "auto" on CPU: the device finds the count
     import tx.kernels.paged_attention as kernels
 
     traced = []  # the block count each traced attention call of the engine's programs got
@@ -118,13 +118,13 @@ def test_bucketed_block_counts_give_the_same_tokens_in_few_programs(tiny_dirs, e
         for x, y in zip(want[request_id].sequences, got[request_id].sequences):
             # the same arithmetic, fused by XLA into another program: a few ulp at most
             np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=1e-6, atol=1e-6)
-    keys = [k for k in bucketed._fns if k[0] == "sample_decode"]
+    keys = [k for k in bucketed.runtime.keys() if k[0] == "sample_decode"]
     blocks = {k[-1] for k in keys}
     # tables of 25 pages of 4 tokens span 13 blocks of 8; the long row (77 + 14 tokens) needs 12: all 13 run
     assert blocks <= {1, 2, 4, 8, 13} and 13 in blocks, keys
     # wired down to the kernel: the decode programs' attention ran each program's count; prefill's found its own
     assert set(traced) == blocks | {None}, (set(traced), blocks)
-    device = bucketed._sampler._paged.device
+    device = bucketed.sampler.paged.device
     assert [device.kv_blocks(p) for p in (0, 7, 8, 23, 24, 64, 95)] == [1, 1, 2, 4, 4, 13, 13]
     with pytest.raises(ValueError, match="paged_kv_blocks='bucketed' applies to paged_attention_impl='blocked'"):
         tx.JaxBackendConfig(**BASE, **PAGED, paged_kv_blocks="bucketed", paged_attention_impl="reference")
@@ -138,19 +138,19 @@ def test_unrolled_and_scanned_layers_sample_the_same(tiny_dirs, engines):
     from tx.sampling.paged_calls import decode_layers_unrolled
 
     _, auto = engines
-    assert auto._sampler._paged.device.unrolled
+    assert auto.sampler.paged.device.unrolled
     scan = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **PAGED, paged_decode_layers="scan"))
     scan.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
     slot = auto.models["a"].adapter_index
     set_adapter_weights(scan.model, slot, get_adapter_weights(auto.model, slot, 4), alpha=8, rank=4)
     requests = requests_mixed()
     got = scan.sample(sample_batch(requests))
-    assert scan._sampler._paged.device.layer_copies is None and not scan._sampler._paged.device.unrolled
+    assert scan.sampler.paged.device.layer_copies is None and not scan.sampler.paged.device.unrolled
     unrolled = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **PAGED, paged_decode_layers="unrolled"))
     unrolled.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
     set_adapter_weights(unrolled.model, slot, get_adapter_weights(auto.model, slot, 4), alpha=8, rank=4)
     want = unrolled.sample(sample_batch(requests))
-    assert unrolled._sampler._paged.device.layer_copies.copied > 0
+    assert unrolled.sampler.paged.device.layer_copies.copied > 0
     for request_id, *_ in requests:
         assert [s.tokens for s in want[request_id].sequences] == [s.tokens for s in got[request_id].sequences]
         for x, y in zip(want[request_id].sequences, got[request_id].sequences):
@@ -174,7 +174,7 @@ def test_unrolled_decode_follows_weight_changes(tiny_dirs, engines):
                                                                       prefix_cache=False))
     unrolled.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
     slot = static.models["a"].adapter_index
-    copies = unrolled._sampler._paged.device.layer_copies
+    copies = unrolled.sampler.paged.device.layer_copies
     greedy = [(f"g{i}", "a", [(p, SP(max_tokens=8, temperature=0.0, stop=[]))], False, 0) for i, p in enumerate(PROMPTS)]
     before = get_adapter_weights(static.model, slot, 4)
     rng = np.random.default_rng(7)

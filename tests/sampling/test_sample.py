@@ -148,12 +148,12 @@ def test_stop_tokens_strings_and_eos(tiny_dirs, tmp_path):
     out = backend.sample(sample_batch([("t", "", [(prompt, SP(max_tokens=12, temperature=0.0, stop=[999 % 512, stop_token]))], False, 0)]))
     seq = out["t"].sequences[0]
     assert seq.tokens == tokens[: first + 1] and seq.stop_reason == "stop"
-    text = backend._sampler.decode_text(tokens)
-    piece = backend._sampler.decode_text(tokens[5:7])
+    text = backend.sampler.decode_text(tokens)
+    piece = backend.sampler.decode_text(tokens[5:7])
     out = backend.sample(sample_batch([("s", "", [(prompt, SP(max_tokens=12, temperature=0.0, stop=[piece]))], False, 0)]))
     seq = out["s"].sequences[0]
-    decoded = backend._sampler.decode_text(seq.tokens)
-    assert piece in decoded and piece not in backend._sampler.decode_text(seq.tokens[:-1])
+    decoded = backend.sampler.decode_text(seq.tokens)
+    assert piece in decoded and piece not in backend.sampler.decode_text(seq.tokens[:-1])
     assert seq.stop_reason == "stop" and text.startswith(decoded)
     # EOS: a model whose eos_token_id is the 4th greedy token stops there by default, not with stop=[]
     model_dir = shutil.copytree(tiny_dirs["dense"], tmp_path / "eos")

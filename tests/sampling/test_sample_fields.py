@@ -169,7 +169,7 @@ def test_topk_sample_logprobs_cut_with_stop_string(models):
     backend, _ = models
     first = backend.sample(batch(("probe", "", PROMPT[:3], SP(max_tokens=6, temperature=0.0, stop=[]), 1, False, 0,
                                   types.SampleOptions(topk_sample_logprobs=2))))["probe"].sequences[0]
-    text = backend._sampler.decode_text(first.tokens[:3])
+    text = backend.sampler.decode_text(first.tokens[:3])
     stop = text[-2:] if len(text) >= 2 else text
     cut = backend.sample(batch(("cut", "", PROMPT[:3], SP(max_tokens=6, temperature=0.0, stop=[stop]), 1, False, 0,
                                 types.SampleOptions(topk_sample_logprobs=2))))["cut"].sequences[0]

@@ -80,7 +80,7 @@ def add_run_routes(app: FastAPI, store: Store, engine: Engine, parse) -> None:
         key = checkpoint_key(run_id, kind, name)
         row = owned(await io(store.checkpoint, *key), tenant(request), f"checkpoint {kind}/{name} of {run_id}")
         await io(store.delete_checkpoint, *key)
-        await io(engine._delete_checkpoint_files, row["location"])
+        await io(engine.delete_checkpoint_files, row["location"])
         return {}
 
     @app.put("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl")

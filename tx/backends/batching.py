@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tx import losses, types
+from tx.runtime import bucket_length, bucket_rows
 
 
 @dataclass
@@ -33,20 +34,6 @@ class Row:
     segment_ids: np.ndarray  # int32 [n]
     extra: dict[str, np.ndarray] = field(default_factory=dict)  # float32 [n] per extra input key of its loss
     temperature: float = 1.0  # log-probs of softmax(logits / temperature)
-
-
-def bucket_length(n: int, minimum: int = 16) -> int:
-    """Round up to the next of 16, 24, 32, 48, 64, 96, ... (two significant bits): <= 50% padding,
-    and only a logarithmic number of distinct shapes to compile."""
-    if n <= minimum:
-        return minimum
-    top = 1 << (n - 1).bit_length()  # next power of two >= n
-    return top * 3 // 4 if n <= top * 3 // 4 else top
-
-
-def bucket_rows(n: int, multiple: int) -> int:
-    """Rows padded to a power of two times `multiple` (the fsdp size)."""
-    return multiple * (1 << max(0, math.ceil(math.log2(max(1, math.ceil(n / multiple))))))
 
 
 CALL_COST_TOKENS = 256

@@ -143,7 +143,7 @@ class CheckpointMixin:
     def _slot_changed(self, slot: int) -> None:
         """The weights of `slot` change: requests sampling from it finish first, and KV computed with the
         old weights is not reused (prefix cache)."""
-        self._sampler.before_weights_change(slot)
+        self.sampler.before_weights_change(slot)
         self._slot_epochs[slot] = self._slot_epochs.get(slot, 0) + 1
 
     def kv_identity(self, slot: int, tenant: str = "") -> str | None:
@@ -155,6 +155,10 @@ class CheckpointMixin:
         if slot in {m.adapter_index for m in self.models.values()}:
             return f"lora:{weights}" + (f":{tenant}" if tenant else "")
         return f"shared:{weights}:{tenant}" if tenant else None
+
+    def holds_snapshot(self, path: str) -> bool:
+        """Whether sampler checkpoint `path` is held in memory (sampled without reading the disk)."""
+        return path in self._snapshots
 
     def _init_snapshots(self) -> None:
         self._slot_epochs: dict[int, int] = {}
@@ -228,7 +232,7 @@ class CheckpointMixin:
         self._drop_snapshot(key, "deleted")
         self._evicted.pop(key, None)
 
-    def _sampler_slot(self, path: str, pinned: set[int]) -> int:
+    def sampler_slot(self, path: str, pinned: set[int]) -> int:
         """The slot holding sampler checkpoint `path`: the saving model's own slot while it still holds those
         weights, else a spare slot the checkpoint is loaded into. Loading is all-or-nothing: everything is
         read and validated before the slot is taken, and a failed write frees the slot again."""

@@ -171,7 +171,7 @@ class FullBackend(JaxBackend):
         # the one live model's weights (its owner's alone), or the base model's before one is created
         return f"full:{self._weights_version}" + (f":{tenant}" if tenant else "")
 
-    def _sample_slot(self, model_id: str) -> int:
+    def sample_slot(self, model_id: str) -> int:
         if not model_id:
             owner = f" by model {self.live!r}" if self.live else ""
             raise ValueError(f"training_mode='full': the base model (model id '') cannot be sampled, its weights "
@@ -201,7 +201,7 @@ class FullBackend(JaxBackend):
     def delete_model(self, model_id: str) -> None:
         """Drop the model's optimizer state and sums and restore the base weights, re-read from the checkpoint."""
         self._slot(model_id)
-        self._sampler.before_weights_change(FULL_ADAPTER)
+        self.sampler.before_weights_change(FULL_ADAPTER)
         self._grad_sum = self._master = self._opt_state = None
         del self.models[model_id], self._accumulated[model_id]
         self.live = None
@@ -260,13 +260,13 @@ class FullBackend(JaxBackend):
 
     def optim_step(self, model_id: str, request_data: types.OptimStepInput) -> types.OptimStepOutput:
         self._slot(model_id)
-        self._sampler.before_weights_change(FULL_ADAPTER)  # requests reading these weights finish first
-        fn = self._fn(("full_optim_step",), lambda: make_full_optim_step(self.param_dtype,
-                                                                          self._counted("optim_step")))
+        self.sampler.before_weights_change(FULL_ADAPTER)  # requests reading these weights finish first
+        fn = self.runtime.program(("full_optim_step",), lambda: make_full_optim_step(self.param_dtype,
+                                                                                      self.runtime.counted("optim_step")))
         hp = {k: jnp.float32(v) for k, v in request_data.adam_params.model_dump().items()}
         _, params, _ = split_full(self.model)
         master, compute = (params, None) if self._master is None else (self._master, params)
-        master, compute, self._grad_sum, self._opt_state, metrics, ok = self._run(
+        master, compute, self._grad_sum, self._opt_state, metrics, ok = self.runtime.run(
             "optim_step", fn, master, compute, self._grad_sum, self._opt_state, hp)
         if self._master is None:
             nnx.update(self.model, master)
@@ -318,7 +318,7 @@ class FullBackend(JaxBackend):
 
     def _set_weights(self, master: nnx.State) -> None:
         """New float32 weights: the model's own (fp32), or the masters and their cast into the model (bf16)."""
-        self._sampler.before_weights_change(FULL_ADAPTER)
+        self.sampler.before_weights_change(FULL_ADAPTER)
         if self._master is None:
             nnx.update(self.model, master)
         else:
@@ -352,7 +352,7 @@ class FullBackend(JaxBackend):
     def evict_sampler_checkpoint(self, path) -> None:
         self._saved.pop(str(path), None)
 
-    def _sampler_slot(self, path: str, pinned: set[int]) -> int:
+    def sampler_slot(self, path: str, pinned: set[int]) -> int:
         saved = self._saved.get(path)
         if saved is None:
             raise ValueError(f"sampler checkpoint {path}: training_mode='full' samples only the live model's "

@@ -7,11 +7,10 @@ adapter's own optimizer state. The multi-host wrapper (distributed issue) broadc
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import uuid
 import zlib
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +23,6 @@ from tx.backends import batching
 from tx.backends.base import AbstractBackend
 from tx.backends.checkpointing import CheckpointMixin
 from tx.backends.config import JaxBackendConfig
-from tx.backends.sampler import Sampler
-from tx.backends.programs import ProgramLog
 from tx.backends.slots import SlotTable
 from tx.backends.steps import (commit_grads, init_opt_state, make_model_pass, make_optim_step, split_model,
                                zero_slot)
@@ -36,6 +33,8 @@ from tx.models.adapters import clear_adapter, init_adapter
 from tx.models.config import LoraSlots
 from tx.models.loading import load_model, resolve_model_dir
 from tx.models.sharding import batch_spec, describe_mesh, make_mesh, put_global, to_host
+from tx.runtime import Runtime
+from tx.sampling.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +73,10 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         _, lora, _ = split_model(self.model)
         self._grad_sum = jax.tree.map(jnp.zeros_like, lora)
         self.metrics = types.EngineMetrics()
-        self._fns: dict[Any, Callable] = {}
-        self.programs = ProgramLog()  # each program's last call, once enabled: tests lower the real programs
+        self.runtime = Runtime(self.mesh, self.metrics, config.enforce_eager)
+        self.programs = self.runtime.programs  # each program's last call, once enabled: tests lower the real programs
         self._planned_shapes: dict[str, set[tuple[int, int]]] = {}  # per pass: micro-batch shapes planned so far
-        self._sampler = Sampler(self, self.model_dir)
+        self.sampler = Sampler(self, self.runtime, config)
 
     def _load_base(self, dtype: str | None = None, **kw) -> nnx.Module:
         """The base model from `model_dir` on the mesh, with this backend's LoRA slots and kernels."""
@@ -102,35 +101,12 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
 
     # ---- bookkeeping ----
 
-    def _counted(self, name: str) -> Callable[[], None]:
-        def on_trace():
-            self.metrics.compiles[name] = self.metrics.compiles.get(name, 0) + 1
-
-        return on_trace
-
-    def _fn(self, key: tuple, build: Callable[[], Callable]) -> Callable:
-        if key not in self._fns:
-            self._fns[key] = build()
-        return self._fns[key]
-
-    def _run(self, name: str, fn: Callable, *args, **kwargs):
-        self.metrics.calls[name] = self.metrics.calls.get(name, 0) + 1
-        self.programs.record(name, fn, args, kwargs)
-        ctx = jax.disable_jit() if self.config.enforce_eager else contextlib.nullcontext()
-        with ctx:
-            return fn(*args, **kwargs)
-
-    def _count_tokens(self, name: str, real: int, padded: int) -> None:
-        """Tokens of the datums and of the padded device batch of one jit call (the padding overhead)."""
-        for counter, n in ((self.metrics.tokens_real, real), (self.metrics.tokens_padded, padded)):
-            counter[name] = counter.get(name, 0) + n
-
     def _slot(self, model_id: str) -> int:
         if model_id not in self.models:
             raise KeyError(f"unknown model_id {model_id!r}")
         return self.models[model_id].adapter_index
 
-    def _sample_slot(self, model_id: str) -> int:
+    def sample_slot(self, model_id: str) -> int:
         """The slot a sampling row of `model_id` reads ("" = the base model, slot 0)."""
         return self._slot(model_id) if model_id else 0
 
@@ -209,6 +185,10 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         flat = nnx.to_flat_state(self._grad_sum)
         return {".".join(map(str, path)): to_host(jnp.take(v.get_value(), slot, axis=-3)) for path, v in flat}
 
+    def grad_sum_bytes(self) -> int:
+        """Bytes of the gradient sums this backend holds (every slot's; global sizes, over all devices)."""
+        return sum(x.nbytes for x in jax.tree.leaves(self._grad_sum))
+
     def opt_state_of(self, model_id: str) -> Any:
         self._slot(model_id)
         return self._opt_states[model_id]
@@ -244,7 +224,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         counters are untouched. A request whose outputs are not finite fails, and so do the other requests
         of its model in this call (their gradients are mixed in the same slot): that slot is not committed."""
         # forward may read the base model (model id "", slot 0: e.g. an RL reference policy); it is never trained
-        slot_of = self._slot if with_grad else self._sample_slot
+        slot_of = self._slot if with_grad else self.sample_slot
         rows, errors = batching.validate(batch, slot_of, self.model.config.vocab_size, self.max_seq_len)
         results: dict[str, types.ForwardBackwardOutput | types.ErrorResponse] = {}
         for r, message in errors.items():
@@ -262,11 +242,12 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         with_logprobs = any(losses.get(loss_names[r.loss_index]).needs_logprobs for r in rows)
         head_lora = self._head_adapted({r.adapter for r in rows})
         fns = {
-            mode: self._fn((mode, loss_names, losses.version(), losses.config_keys(), extra_keys, aux, tempered,
-                            with_logprobs, head_lora),
-                           lambda mode=mode: make_model_pass(graphdef, self.config.loss_chunk_size, mode,
-                                                             self._counted(name), self._grad_dtype, extra_keys,
-                                                             aux, tempered, with_logprobs, head_lora))
+            mode: self.runtime.program((mode, loss_names, losses.version(), losses.config_keys(), extra_keys, aux,
+                                        tempered, with_logprobs, head_lora),
+                                       lambda mode=mode: make_model_pass(graphdef, self.config.loss_chunk_size, mode,
+                                                                         self.runtime.counted(name), self._grad_dtype,
+                                                                         extra_keys, aux, tempered, with_logprobs,
+                                                                         head_lora))
             for mode in (("grads", "accumulate") if with_grad else ("forward",))
         }
         fsdp = self.mesh.shape["fsdp"]
@@ -279,16 +260,16 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
             num_rows, seq_len = batching.micro_batch_shape(
                 [len(r.input_ids) for r in chunk], fsdp, self.config.train_micro_batch_size)
             arrays = batching.pack(chunk, num_rows, seq_len, len(losses.config_keys()), extra_keys)
-            self._count_tokens(name, sum(len(r.input_ids) for r in chunk), num_rows * seq_len)
+            self.runtime.count_tokens(name, sum(len(r.input_ids) for r in chunk), num_rows * seq_len)
             device_batch = {
                 k: put_global(v, NamedSharding(self.mesh, batch_spec(v.ndim))) for k, v in arrays.items()
             }
             if not with_grad:
-                tlp_bt, loss_bt, aux_bt = self._run(name, fns["forward"], lora, frozen, device_batch)
+                tlp_bt, loss_bt, aux_bt = self.runtime.run(name, fns["forward"], lora, frozen, device_batch)
             elif acc is None:
-                acc, tlp_bt, loss_bt, aux_bt = self._run(name, fns["grads"], lora, frozen, device_batch)
+                acc, tlp_bt, loss_bt, aux_bt = self.runtime.run(name, fns["grads"], lora, frozen, device_batch)
             else:
-                acc, tlp_bt, loss_bt, aux_bt = self._run(name, fns["accumulate"], lora, frozen, acc, device_batch)
+                acc, tlp_bt, loss_bt, aux_bt = self.runtime.run(name, fns["accumulate"], lora, frozen, acc, device_batch)
             tlp_bt, loss_bt = to_host(tlp_bt), to_host(loss_bt)
             aux_bt = {k: to_host(v) for k, v in aux_bt.items()}
             for b, i in enumerate(idx):
@@ -362,10 +343,10 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
     def optim_step(self, model_id: str, request_data: types.OptimStepInput) -> types.OptimStepOutput:
         slot = self._slot(model_id)
         self._before_slot_change(model_id)  # snapshots served from this slot keep the weights they saved
-        fn = self._fn(("optim_step",), lambda: make_optim_step(self._counted("optim_step")))
+        fn = self.runtime.program(("optim_step",), lambda: make_optim_step(self.runtime.counted("optim_step")))
         hp = {k: jnp.float32(v) for k, v in request_data.adam_params.model_dump().items()}
         _, lora, _ = split_model(self.model)
-        lora, self._grad_sum, self._opt_states[model_id], metrics, ok = self._run(
+        lora, self._grad_sum, self._opt_states[model_id], metrics, ok = self.runtime.run(
             "optim_step", fn, lora, self._grad_sum, self._opt_states[model_id], jnp.int32(slot), hp
         )
         nnx.update(self.model, lora)
@@ -393,21 +374,21 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
     # ---- sampling ----
 
     def sample(self, prepared_batch: types.PreparedSampleBatch):
-        return self._sampler.sample(prepared_batch)
+        return self.sampler.sample(prepared_batch)
 
     def sample_submit(self, prepared_batch: types.PreparedSampleBatch) -> dict[str, types.ErrorResponse]:
         """Queue sampling requests that run alongside those already running (`sample_step` advances them);
         the requests refused, each with its error."""
-        return self._sampler.submit(prepared_batch)
+        return self.sampler.submit(prepared_batch)
 
     def sample_step(self) -> dict[str, types.SampleOutput]:
         """Advance the queued sampling requests by one engine iteration (a prefill chunk call and a few
         decode steps; the static engine runs them to the end); the requests that finished."""
-        return self._sampler.step()
+        return self.sampler.step()
 
     @property
     def sampling_active(self) -> bool:
-        return self._sampler.active
+        return self.sampler.active
 
 
 def build_mesh(config: JaxBackendConfig) -> Mesh:

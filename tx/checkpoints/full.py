@@ -34,8 +34,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-import tx
 from tx import ranks
+from tx.version import __version__
 from tx.checkpoints import storage
 from tx.checkpoints.training import CheckpointError, _flatten, base_signature, read_metadata
 from tx.export import SIDE_FILES, copy_files
@@ -77,7 +77,7 @@ def save_full_checkpoint(path, params_state: Any, opt_state: Any, step: int, met
         raise ValueError("a multi-process save needs a `version` shared by every process")
     groups = {g: {k: v if hasattr(v, "dtype") else np.asarray(v) for k, v in _flatten(tree).items()}
               for g, tree in (("params", params_state), ("opt_state", opt_state))}
-    meta = {"tx_version": tx.__version__, **metadata, "format": FORMAT, "step": int(step),
+    meta = {"tx_version": __version__, **metadata, "format": FORMAT, "step": int(step),
             "tensors": {g: {k: {"shape": list(np.shape(v)), "dtype": str(v.dtype)} for k, v in d.items()}
                         for g, d in groups.items()}}
     primary = ranks.is_primary_writer()  # orbax's primary host (tx.ranks)
@@ -294,7 +294,7 @@ def save_sampler_model(output_path, model: nnx.Module, base_model_dir, info: dic
         export_hf_model(hf, model, base_model_dir, **export_kwargs)
         if not ranks.is_primary_writer():
             return
-        meta = {"tx_version": tx.__version__, **info, "format": SAMPLER_FORMAT}
+        meta = {"tx_version": __version__, **info, "format": SAMPLER_FORMAT}
         (hf / "tx_metadata.json").write_text(json.dumps(meta, indent=2))
         if as_dir:
             _replace_dir(output_path, hf)

@@ -16,8 +16,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-import tx
 from tx import ranks
+from tx.version import __version__
 from tx.checkpoints import storage
 from tx.models.config import ModelConfig
 
@@ -63,7 +63,7 @@ def save(path, *, weights: Any, scales: Any, opt_state: Any, rank: int, metadata
         "scales": _flatten(scales),
         "opt_state": {k: _slice_rank(v, _rank_axis(k), rank) for k, v in _flatten(opt_state).items()},
     }
-    meta = {"format": FORMAT, "tx_version": tx.__version__, "rank": rank,
+    meta = {"format": FORMAT, "tx_version": __version__, "rank": rank,
             "shapes": {g: {k: list(v.shape) for k, v in d.items()} for g, d in arrays.items()}, **metadata}
     primary = ranks.is_primary_writer()  # orbax's primary host (tx.ranks)
     with storage.write_dir(path, version=version, primary=primary) as local:

@@ -68,7 +68,7 @@ def _sample_view(backend, kwargs: dict) -> dict:
         return {}
     paths = {p for p in kwargs["prepared_batch"].all_checkpoint_paths if p}
     return {p: _status(lambda p=p: _sampler_checkpoint(p)) for p in sorted(paths)
-            if p not in backend.slots.sampler and p not in backend._snapshots}
+            if p not in backend.slots.sampler and not backend.holds_snapshot(p)}
 
 
 VIEWS: dict[str, Callable[[Any, dict], dict]] = {

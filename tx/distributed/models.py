@@ -69,7 +69,7 @@ def memory_report(impl) -> dict:
     def mib(tree) -> float:
         return round(sum(x.nbytes for x in jax.tree.leaves(tree)) / MIB, 2)
 
-    report = {"base_weights_mib": mib(rest), "lora_slots_mib": mib(lora), "grad_sums_mib": mib(impl._grad_sum),
+    report = {"base_weights_mib": mib(rest), "lora_slots_mib": mib(lora), "grad_sums_mib": round(impl.grad_sum_bytes() / MIB, 2),
               "adapter_slots": impl.config.max_lora_adapters - 1}
     stats = [d.memory_stats() for d in jax.local_devices()]
     if all(stats):

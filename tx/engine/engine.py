@@ -340,7 +340,7 @@ class Engine(SamplingMixin, SingleOpsMixin):
                                 self.config.session_timeout_s)
                     ending.add(session_id)
             for ckpt in self.store.expired_checkpoints(now):
-                self._delete_checkpoint_files(ckpt["location"])
+                self.delete_checkpoint_files(ckpt["location"])
                 self.store.delete_checkpoint(ckpt["model_id"], ckpt["kind"], ckpt["name"])
         for session_id in ending:
             models, _ = self.store.list_models(session_id=session_id)
@@ -357,7 +357,7 @@ class Engine(SamplingMixin, SingleOpsMixin):
             for backend in self.backends.values():
                 backend.evict_sampler_checkpoint(where)
 
-    def _delete_checkpoint_files(self, where: str) -> None:
+    def delete_checkpoint_files(self, where: str) -> None:
         """Remove a checkpoint's files (any thread); the engine thread then evicts it from the backend."""
         with self.cond:
             self._deleted.append(where)

@@ -28,7 +28,6 @@ from tx.models.layers.norm import RMSNorm
 from tx.models.layers.rope import rope_cos_sin
 from tx.models.logical import NO_SHARDING, LogicalSharding
 from tx.models.logprobs import chunked_target_logprobs
-from tx.models.registry import register
 
 _init = nnx.initializers.normal(0.02)
 
@@ -207,7 +206,6 @@ def layer_groups(cfg: ModelConfig) -> list[tuple[bool, tuple[int, ...]]]:
     return [(moe, tuple(i for _, i in run)) for moe, run in itertools.groupby(kinds, key=lambda x: x[0])]
 
 
-@register("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 class Qwen3ForCausalLM(nnx.Module):
     """Dense or MoE Qwen3; `max_lora_adapters` LoRA slots on q/k/v/o, MLP or experts, and the LM head."""
 

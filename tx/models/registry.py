@@ -1,11 +1,15 @@
 """Model families by HF architecture name (registry, not a switch).
 
-`@register("Qwen3ForCausalLM", ...)` on a model class; registering an architecture that another class
-already holds raises unless `replace=True` (a plugin overriding a built-in family says so explicitly).
+The built-in families are a static table of "module:class" names, imported at first use (so this module
+imports no model module, and model modules do not import it). Users add theirs with
+`@register("MyForCausalLM", ...)` on a model class; registering an architecture that another class already
+holds, a built-in one included, raises unless `replace=True` (a plugin overriding a built-in family says so
+explicitly).
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable, TypeVar
 
 from flax import nnx
@@ -16,12 +20,25 @@ T = TypeVar("T", bound=type[nnx.Module])
 FAMILIES: Registry[type[nnx.Module]] = Registry("architecture")
 
 
+BUILT_IN = {
+    "Qwen3ForCausalLM": "tx.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "tx.models.qwen3:Qwen3ForCausalLM",
+}
+
+
+def _load_built_in() -> None:
+    """Register the built-in families not registered yet (a user's earlier replacement stays)."""
+    for architecture, target in BUILT_IN.items():
+        if architecture not in FAMILIES:
+            module, name = target.split(":")
+            FAMILIES.register(architecture, getattr(importlib.import_module(module), name))
+
+
 def register(*architectures: str, replace: bool = False) -> Callable[[T], T]:
+    _load_built_in()  # a built-in name is taken before any user registers
     return FAMILIES.decorator(*architectures, replace=replace)
 
 
 def model_class(architecture: str) -> type[nnx.Module]:
-    # Import the built-in families lazily so that registering happens on first use.
-    import tx.models.qwen3  # noqa: F401
-
+    _load_built_in()
     return FAMILIES.get(architecture)

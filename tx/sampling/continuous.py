@@ -36,109 +36,41 @@ between device calls (`tx.sampling.paged_calls` packs them into the device calls
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tx.sampling.decode import DecodeOutputs
 from tx.sampling.kv_pages import PageTable
 from tx.sampling.paged_calls import PagedDevice, free_memory_bytes, table_width
+from tx.sampling.paged_rows import Group, Live, Row, RowResult
 from tx.sampling.requests import SampleRow
 
 if TYPE_CHECKING:
-    from tx.backends.sampler import Sampler
-
-
-@dataclass
-class RowResult:
-    tokens: list[int]
-    logprobs: list[float]
-    stopped: bool  # ended on a stop token (else max_tokens)
-    cached_prompt_tokens: int = 0  # of its request's prompt, read from the prefix cache
-    top_ids: list[list[int]] = field(default_factory=list)
-    top_logprobs: list[list[float]] = field(default_factory=list)
-
-    def as_outputs(self, topk: int) -> DecodeOutputs:
-        """This row as row 0 of a static decode's outputs (for `outputs.sequence_of`)."""
-        n = len(self.tokens)
-        top = (None, None)
-        if topk:
-            top = (np.asarray(self.top_ids, np.int32).reshape(1, n, topk),
-                   np.asarray(self.top_logprobs, np.float32).reshape(1, n, topk))
-        return DecodeOutputs(np.asarray([self.tokens], np.int32).reshape(1, n),
-                             np.asarray([self.logprobs], np.float32).reshape(1, n), np.asarray([n]),
-                             np.asarray([self.stopped]), *top)
-
-
-@dataclass(eq=False)  # compared by identity
-class _Row:
-    """One sampled sequence from `add` to its end."""
-
-    spec: SampleRow
-    tag: Any  # the caller's name for it, returned with its result
-    serial: int  # order of arrival (preemption takes the youngest)
-    result: RowResult = field(default_factory=lambda: RowResult([], [], False))
-
-
-@dataclass(eq=False)  # compared by identity
-class _Group:
-    """Rows that read one prompt's pages (positions 0 .. n-2): a request's rows, or a resumed row whose
-    prompt is its request's prompt + the tokens it had sampled."""
-
-    rows: list[_Row]  # not yet given a slot
-    prompt: np.ndarray
-    adapter: int
-    identity: str | None = None  # the weights its KV is computed with (prefix-cache key); None: not shared
-    pages: list[int] = field(default_factory=list)
-    prefilled: int = 0
-    cached: int | None = None  # prompt tokens read from the prefix cache when first admitted
-    live: int = 0  # rows holding a slot
-    resumed: bool = False
-    tenant: str = ""  # who sent it (fair admission)
-
-    @property
-    def prefix(self) -> int:
-        return len(self.prompt) - 1
-
-    @property
-    def ready(self) -> bool:
-        return self.prefilled >= self.prefix
-
-
-@dataclass(eq=False)  # compared by identity
-class _Live:
-    row: _Row
-    group: _Group
-    table: list[int]
-    own: list[int]  # pages only this row holds
-    pos: int  # position of the next input token
-    token: int  # the next input token
-    last: int  # the last position this row may write (prompt + max_tokens - 2)
-    copy: tuple[int, int] | None = None  # (src, dst) page copy its first decode call makes
+    from tx.runtime import Runtime
+    from tx.sampling.source import SamplingSettings, WeightsSource
+    from tx.sampling.text import TextCodec
 
 
 class PagedEngine:
-    def __init__(self, sampler: Sampler):
-        self.sampler = sampler
-        self.backend = sampler.backend
-        cfg = self.backend.config
+    def __init__(self, source: WeightsSource, runtime: Runtime, config: SamplingSettings, text: TextCodec):
+        self.source, self.text = source, text
+        cfg = config
         self.page = cfg.kv_page_size
-        self.width = table_width(self.backend.max_seq_len, self.page)
+        self.width = table_width(source.max_seq_len, self.page)
         free = free_memory_bytes()
         self.num_pages = cfg.kv_cache_pages or self._auto_pages(cfg.max_num_seqs, free)
         if self.num_pages < 2 * self.width + 1:
             raise ValueError(f"kv_cache_pages={self.num_pages} is below {2 * self.width + 1}: the pool must hold one "
-                             f"longest prompt and one longest row (max_seq_len={self.backend.max_seq_len}, "
+                             f"longest prompt and one longest row (max_seq_len={source.max_seq_len}, "
                              f"kv_page_size={self.page})")
         self.slots, self.steps = cfg.max_num_seqs, cfg.decode_steps_per_call
         self.max_steps = max(cfg.decode_steps_per_call, cfg.max_decode_steps_per_call)
         self.call_steps = self.steps  # this iteration's decode bound (`_iterate`)
         self.prefix_cache = cfg.prefix_cache
-        self.stats = self.backend.metrics.sampling  # reported by /api/v1/metrics
+        self.stats = runtime.metrics.sampling  # reported by /api/v1/metrics
         self.stats.update({"prefill_tokens": 0, "prefill_tokens_cached": 0, "decode_tokens": 0, "peak_pages": 0,
                            "calls": 0, "preempted": 0, "kv_cache_pages": self.num_pages})
-        self.device = PagedDevice(sampler, self.num_pages, self.width, self.stats, free)
+        self.device = PagedDevice(source, runtime, config, text, self.num_pages, self.width, self.stats, free)
         self._serial = 0
         self.reset()
 
@@ -149,8 +81,8 @@ class PagedEngine:
         from tx.models.sharding import min_over_processes
 
         want = slots * self.width + 2 * self.width + 1
-        cfg = self.backend.model.config
-        itemsize = self.backend.model.embed_tokens.embedding[...].dtype.itemsize
+        cfg = self.source.model.config
+        itemsize = self.source.model.embed_tokens.embedding[...].dtype.itemsize
         page_bytes = 2 * cfg.num_hidden_layers * self.page * cfg.num_key_value_heads * cfg.head_dim * itemsize
         return max(2 * self.width + 1, min_over_processes(min(want, int(free // 2 // page_bytes))))
 
@@ -158,10 +90,10 @@ class PagedEngine:
         """Forget every row and page (after a failed call the pages and donated pools are in an unknown state)."""
         self.pages = PageTable(self.num_pages, self.page)  # kept across calls: the prefix cache lives in it
         self.device.pools = None
-        self.waiting: list[_Group] = []  # not admitted, in order (resumed rows first)
-        self.prefilling: list[_Group] = []  # admitted, prompt not fully written
-        self.ready: list[_Group] = []  # prompt written, rows waiting for a slot
-        self.live: list[_Live] = []  # in admission order
+        self.waiting: list[Group] = []  # not admitted, in order (resumed rows first)
+        self.prefilling: list[Group] = []  # admitted, prompt not fully written
+        self.ready: list[Group] = []  # prompt written, rows waiting for a slot
+        self.live: list[Live] = []  # in admission order
         self._done: list[tuple[Any, RowResult]] = []
 
     # ---- the caller's view ----
@@ -180,17 +112,17 @@ class PagedEngine:
 
     def add(self, rows: list[SampleRow], tags: list[Any]) -> None:
         """Queue rows (those of one `request_index` share a prompt); their results come from `step`."""
-        groups: dict[int, _Group] = {}
+        groups: dict[int, Group] = {}
         for row, tag in zip(rows, tags):
-            item = _Row(row, tag, self._serial)
+            item = Row(row, tag, self._serial)
             self._serial += 1
             if row.max_tokens <= 0:
                 self._done.append((tag, item.result))
                 continue
             g = groups.get(row.request_index)
             if g is None:
-                g = groups[row.request_index] = _Group([], row.prompt, row.adapter,
-                                                       self.backend.kv_identity(row.adapter, row.tenant),
+                g = groups[row.request_index] = Group([], row.prompt, row.adapter,
+                                                       self.source.kv_identity(row.adapter, row.tenant),
                                                        tenant=row.tenant)
                 self.waiting.append(g)
             g.rows.append(item)
@@ -232,7 +164,7 @@ class PagedEngine:
                 if done or self._hit_stop_string(lv, start):
                     self._finish(lv)
 
-    def _hit_stop_string(self, lv: _Live, start: int) -> bool:
+    def _hit_stop_string(self, lv: Live, start: int) -> bool:
         """Whether the tokens `lv` sampled from index `start` on complete one of its stop strings: the row then
         ends after this call instead of running to max_tokens (its answer is cut at the stop when assembled,
         `outputs.sequence_of`). The text checked is the new tokens' and enough earlier ones for the longest
@@ -242,7 +174,7 @@ class PagedEngine:
             return False
         tokens = lv.row.result.tokens
         back = 2 * max(len(stop.encode()) for stop in stops) + 4
-        text = self.sampler.decode_text(tokens[max(0, start - back):])
+        text = self.text.decode_text(tokens[max(0, start - back):])
         return any(stop in text for stop in stops)
 
     def _choose_call_steps(self) -> None:
@@ -266,7 +198,7 @@ class PagedEngine:
             if not self._admit_group(g):
                 return
 
-    def _next_waiting(self) -> _Group:
+    def _next_waiting(self) -> Group:
         """Preempted rows first, oldest first; then the earliest request of the tenant holding the fewest
         places (rows with a slot or admitted, waiting for one)."""
         held: dict[str, int] = {}
@@ -276,7 +208,7 @@ class PagedEngine:
             held[q.tenant] = held.get(q.tenant, 0) + len(q.rows)
         return min(self.waiting, key=lambda g: (not g.resumed, held.get(g.tenant, 0), g.rows[0].serial))
 
-    def _admit_group(self, g: _Group) -> bool:
+    def _admit_group(self, g: Group) -> bool:
         """Admit waiting request `g` if the pool has room for its prompt, its first row's first call and
         the live rows' next call."""
         pages = self.pages
@@ -311,13 +243,13 @@ class PagedEngine:
             copy = (g.pages[first], own[0]) if g.prefix % self.page else None
             if not g.resumed:
                 row.result.cached_prompt_tokens = g.cached
-            self.live.append(_Live(row, g, g.pages[:first] + own, own, g.prefix, int(g.prompt[-1]), last, copy))
+            self.live.append(Live(row, g, g.pages[:first] + own, own, g.prefix, int(g.prompt[-1]), last, copy))
             g.rows.pop(0)
             g.live += 1
             if not g.rows:
                 self.ready.pop(0)
 
-    def _last(self, g: _Group, row: _Row) -> int:
+    def _last(self, g: Group, row: Row) -> int:
         """The last position `row` writes: that of the input of its last token."""
         return g.prefix + row.spec.max_tokens - len(row.result.tokens) - 1
 
@@ -329,7 +261,7 @@ class PagedEngine:
         """Pages the live rows need for their next call beyond what they hold."""
         return sum(max(0, self._needed(lv)) for lv in self.live)
 
-    def _needed(self, lv: _Live) -> int:
+    def _needed(self, lv: Live) -> int:
         return min(lv.pos + self.call_steps - 1, lv.last) // self.page + 1 - len(lv.table)
 
     def _grow(self) -> None:
@@ -350,7 +282,7 @@ class PagedEngine:
             lv.table += new
             i += 1
 
-    def _free_room(self, n: int, keep: _Live) -> bool:
+    def _free_room(self, n: int, keep: Live) -> bool:
         """Release pages until `n` are available: admitted requests no slot reads yet first (youngest
         first; their prompts are prefilled again later), then the youngest live rows. False when only
         `keep` is left to take them from."""
@@ -368,13 +300,13 @@ class PagedEngine:
         self._preempt(victim)
         return True
 
-    def _unadmit(self, g: _Group) -> None:
+    def _unadmit(self, g: Group) -> None:
         self._publish(g.identity, g.prompt[: g.prefilled], g.pages)
         self.pages.release(g.pages)
         g.pages, g.prefilled = [], 0
         self.waiting.insert(0, g)
 
-    def _preempt(self, lv: _Live) -> None:
+    def _preempt(self, lv: Live) -> None:
         """Take `lv`'s slot and pages; it resumes later with prompt + its tokens so far as its prompt."""
         self.stats["preempted"] += 1
         self.live.remove(lv)
@@ -382,19 +314,19 @@ class PagedEngine:
         self._publish(identity, self._written(lv), lv.table)
         self._leave(lv)
         prompt = np.concatenate([lv.row.spec.prompt, np.asarray(lv.row.result.tokens, np.int32)]).astype(np.int32)
-        g = _Group([lv.row], prompt, lv.group.adapter, identity, resumed=True, tenant=lv.group.tenant)
+        g = Group([lv.row], prompt, lv.group.adapter, identity, resumed=True, tenant=lv.group.tenant)
         # resumed rows go first, oldest first
         at = sum(1 for w in self.waiting if w.resumed and w.rows[0].serial < lv.row.serial)
         self.waiting.insert(at, g)
 
-    def _resume_identity(self, lv: _Live) -> str | None:
+    def _resume_identity(self, lv: Live) -> str | None:
         """The prefix-cache key of a preempted row's pages: its weights' own key where those may be shared
         across requests, else a key only this row uses (rows on shared weights never read others' pages)."""
         if not self.prefix_cache:
             return None
         return lv.group.identity or f"row:{lv.row.serial}:{lv.group.adapter}"
 
-    def _leave(self, lv: _Live) -> None:
+    def _leave(self, lv: Live) -> None:
         self.pages.release(lv.own)
         g = lv.group
         g.live -= 1
@@ -402,14 +334,14 @@ class PagedEngine:
             self.pages.release(g.pages)
             g.pages = []
 
-    def _finish(self, lv: _Live) -> None:
+    def _finish(self, lv: Live) -> None:
         self.live.remove(lv)
         self._publish(lv.group.identity, self._written(lv), lv.table)  # its K/V stays reusable
         self._leave(lv)
         self._done.append((lv.row.tag, lv.row.result))
 
     @staticmethod
-    def _written(lv: _Live) -> np.ndarray:
+    def _written(lv: Live) -> np.ndarray:
         """The tokens whose K/V `lv`'s table holds: its request's prompt, then its sampled tokens but the last."""
         tokens = np.concatenate([lv.row.spec.prompt, np.asarray(lv.row.result.tokens, np.int32)])
         return tokens[: lv.pos].astype(np.int32)

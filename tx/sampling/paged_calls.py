@@ -2,7 +2,7 @@
 inputs of `prefill_chunk` and `decode_steps` (tx/sampling/paged_step.py), then the outputs back into rows.
 
 `tx/sampling/continuous.py` decides which prompts and rows run (pages, slots, preemption); this module
-only turns its `_Group`s (prompts being prefilled) and `_Live` rows (decode slots) into arrays. Few shapes,
+only turns its `Group`s (prompts being prefilled) and `Live` rows (decode slots) into arrays. Few shapes,
 so few programs: prefill rows go in powers of 2 up to `prefill_rows`, decode slots in powers of 2 up to
 `max_num_seqs` (both rounded up to the fsdp size: rows are split over its devices), stop lists in powers of
 2 >= 8, and top-k has one width.
@@ -14,16 +14,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tx.runtime import pow2
 from tx.sampling.layer_copies import LayerCopies
 from tx.sampling.paged_step import PrefillInputs, SlotInputs, decode_steps, prefill_chunk
 
 if TYPE_CHECKING:
-    from tx.backends.sampler import Sampler
-    from tx.sampling.continuous import _Group, _Live
-
-
-def pow2(n: int) -> int:
-    return 1 << (max(1, n) - 1).bit_length()
+    from tx.runtime import Runtime
+    from tx.sampling.paged_rows import Group, Live
+    from tx.sampling.source import SamplingSettings, WeightsSource
+    from tx.sampling.text import TextCodec
 
 
 def slot_count(live: int, max_num_seqs: int, fsdp: int) -> int:
@@ -90,21 +89,22 @@ class PagedDevice:
     """Page pools `[layers, pages, page, kv_heads, head_dim]` per layer stack (created at first use,
     donated to every call) and the two device calls over them."""
 
-    def __init__(self, sampler: Sampler, num_pages: int, width: int, stats: dict[str, int], free_bytes: int):
-        self.sampler, self.backend = sampler, sampler.backend
-        cfg = self.backend.config
+    def __init__(self, source: WeightsSource, runtime: Runtime, config: SamplingSettings, text: TextCodec,
+                 num_pages: int, width: int, stats: dict[str, int], free_bytes: int):
+        self.source, self.runtime, self.text = source, runtime, text
+        cfg = config
         self.num_pages, self.page, self.width = num_pages, cfg.kv_page_size, width
-        self.slots, self.fsdp = cfg.max_num_seqs, self.backend.mesh.shape["fsdp"]
+        self.slots, self.fsdp = cfg.max_num_seqs, runtime.mesh.shape["fsdp"]
         self.chunk, self.chunk_rows = cfg.prefill_chunk, cfg.prefill_rows
         self.steps = max(cfg.decode_steps_per_call, cfg.max_decode_steps_per_call)  # the buffers' width
         self.impl, self.kv_block = cfg.paged_attention_impl, cfg.kv_block
         self.max_blocks = table_blocks(width, self.page, self.kv_block)
-        platform = self.backend.model.platform
+        platform = source.model.platform
         self.bucketed = self.impl == "blocked" and kv_blocks_bucketed(cfg.paged_kv_blocks, platform)
         self.topk_width = pow2(cfg.max_topk_prompt_logprobs)  # topk_sample_logprobs are bounded by it
         self.stats = stats
-        self.unrolled = decode_layers_unrolled(cfg.paged_decode_layers, platform, self.backend.mesh.size,
-                                               self.backend.model.layer_bytes(), free_bytes)
+        self.unrolled = decode_layers_unrolled(cfg.paged_decode_layers, platform, runtime.mesh.size,
+                                               source.model.layer_bytes(), free_bytes)
         self.layer_copies = LayerCopies() if self.unrolled else None
         self.pools: list | None = None
         self.sequences: dict[str, list[int]] = {}  # stop string -> its device sequence ([]: host check only)
@@ -116,12 +116,12 @@ class PagedDevice:
 
             from tx.models.sharding import put_global
 
-            model = self.backend.model
+            model = self.source.model
             cfg, dtype = model.config, model.embed_tokens.embedding[...].dtype
             shape = lambda n: (n, self.num_pages, self.page, cfg.num_key_value_heads, cfg.head_dim)  # noqa: E731
             # kv heads split like the attention's keys/values (tp); every page on every fsdp device
             axes = ("layers", None, None, "kv_heads", "head_dim")
-            layout = lambda n: NamedSharding(self.backend.mesh, model.layout.spec(axes, shape(n)))  # noqa: E731
+            layout = lambda n: NamedSharding(self.runtime.mesh, model.layout.spec(axes, shape(n)))  # noqa: E731
             self.pools = [tuple(put_global(np.zeros(shape(len(s.layer_ids)), jnp.dtype(dtype)), layout(len(s.layer_ids)))
                                 for _ in range(2)) for s in model.stacks]
         return self.pools
@@ -132,15 +132,12 @@ class PagedDevice:
         trips per call are nothing next to a chunk's work, and its programs stay few.)"""
         return block_bucket(last_pos, self.kv_block, self.max_blocks) if self.bucketed else None
 
-    def _call(self, name: str, key: tuple, fn, *args, **static) -> Any:
-        import jax
+    def _call(self, key: tuple, fn, *args, **static) -> Any:
+        """Program `fn` of `key` (named `key[0]`), its pools donated."""
+        compiled = self.runtime.jit(key, fn, tuple(static), donate=("pools",))
+        return self.runtime.run(key[0], compiled, *args, **static)
 
-        sampler = self.sampler
-        compiled = self.backend._fn(key, lambda: jax.jit(sampler._counting(name, fn), static_argnames=tuple(static),
-                                                         donate_argnames=("pools",)))
-        return self.backend._run(name, compiled, *args, **static)
-
-    def prefill(self, groups: list[_Group]) -> None:
+    def prefill(self, groups: list[Group]) -> None:
         """One call writing up to `prefill_rows` chunks of the groups' prompts (in order) into their pages
         (as many rows as they need, in powers of 2); advances each group's `prefilled`."""
         c = self.chunk
@@ -163,11 +160,11 @@ class PagedDevice:
                 self.stats["prefill_tokens"] += n
                 g.prefilled = end
                 used += 1
-        inp = PrefillInputs(**self.sampler._put(arrays))
-        self.pools = self._call("sample_prefill", ("sample_prefill", r, c), prefill_chunk, self.backend.model,
+        inp = PrefillInputs(**self.runtime.put_batch(arrays))
+        self.pools = self._call(("sample_prefill", r, c), prefill_chunk, self.source.model,
                                 self._pools(), inp, impl=self.impl, kv_block=self.kv_block)
 
-    def decode(self, live: list[_Live], bound: int) -> list[bool]:
+    def decode(self, live: list[Live], bound: int) -> list[bool]:
         """One call of up to `bound` steps (<= `max_decode_steps_per_call`: a traced value, one program) for
         the live rows; appends what each sampled to its result and advances its position. Whether each row
         ended."""
@@ -178,14 +175,14 @@ class PagedDevice:
         penalized = any(lv.row.spec.repetition_penalty != 1.0 for lv in live)
         arrays = self._slot_arrays(live, s, stop_width, penalized)
         sequences = self._stop_sequence_arrays(live, s)  # likewise, stop strings on the device
-        inp = SlotInputs(**({"presence_sv": None} | self.sampler._put(arrays | sequences)))
+        inp = SlotInputs(**({"presence_sv": None} | self.runtime.put_batch(arrays | sequences)))
         seq_shape = sequences["stop_seq_sxl"].shape[1:] if sequences else None
         # the furthest position a row's input reaches in this call (a row stops at its last)
         blocks = self.kv_blocks(max(min(lv.pos + bound - 1, lv.last) for lv in live))
         key = ("sample_decode", s, self.steps, stop_width, topk, penalized, seq_shape, blocks)
-        model = self.backend.model
+        model = self.source.model
         layers = self.layer_copies.get(model) if self.layer_copies else None  # None: the program scans the stacks
-        self.pools, out = self._call("sample_decode", key, decode_steps, model, self._pools(), inp, np.int32(bound),
+        self.pools, out = self._call(key, decode_steps, model, self._pools(), inp, np.int32(bound),
                                      layers, steps=self.steps, topk=topk, impl=self.impl, kv_block=self.kv_block,
                                      kv_blocks=blocks)
         from tx.models.sharding import to_host
@@ -219,13 +216,13 @@ class PagedDevice:
             self.sequences.clear()
         for stop in stops:
             if stop not in self.sequences:
-                seq = self.sampler.encode_text(stop)
-                self.sequences[stop] = seq if seq and stop in self.sampler.decode_text(seq) else []
+                seq = self.text.encode_text(stop)
+                self.sequences[stop] = seq if seq and stop in self.text.decode_text(seq) else []
             if self.sequences[stop]:
                 out.append(self.sequences[stop])
         return out
 
-    def _stop_sequence_arrays(self, live: list[_Live], s: int) -> dict[str, np.ndarray]:
+    def _stop_sequence_arrays(self, live: list[Live], s: int) -> dict[str, np.ndarray]:
         """`stop_seq_sxl` and `recent_sl` (paged_step.SlotInputs) when a row has a stop sequence, else none:
         x and l in powers of two (few programs)."""
         per_row = [self.stop_sequences(lv.row.spec.stop_strings) for lv in live]
@@ -243,7 +240,7 @@ class PagedDevice:
                 recent_sl[j, width - len(tail):] = tail
         return {"stop_seq_sxl": seq_sxl, "recent_sl": recent_sl}
 
-    def _slot_arrays(self, live: list[_Live], s: int, stop_width: int, penalized: bool) -> dict[str, np.ndarray]:
+    def _slot_arrays(self, live: list[Live], s: int, stop_width: int, penalized: bool) -> dict[str, np.ndarray]:
         arrays = {"token_s": np.zeros(s, np.int32), "pos_s": np.zeros(s, np.int32), "gen_s": np.zeros(s, np.int32),
                   "active_s": np.zeros(s, bool), "adapter_s": np.zeros(s, np.int32), "seed_s": np.zeros(s, np.uint32),
                   "temperature_s": np.zeros(s, np.float32), "top_k_s": np.zeros(s, np.int32),
@@ -252,7 +249,7 @@ class PagedDevice:
                   "copy_src_s": np.zeros(s, np.int32), "copy_dst_s": np.zeros(s, np.int32),
                   "min_p_s": np.zeros(s, np.float32), "penalty_s": np.ones(s, np.float32)}
         if penalized:
-            arrays["presence_sv"] = np.zeros((s, self.backend.model.config.vocab_size), bool)
+            arrays["presence_sv"] = np.zeros((s, self.source.model.config.vocab_size), bool)
         for j, lv in enumerate(live):
             row = lv.row.spec
             arrays["token_s"][j], arrays["pos_s"][j], arrays["gen_s"][j] = lv.token, lv.pos, len(lv.row.result.tokens)

@@ -1,4 +1,6 @@
-"""JaxBackend.sample: validated rows -> bucketed, chunked decode calls -> per-request SampleOutput.
+"""Sampling requests -> per-request SampleOutput, over the weights of a `WeightsSource` (a backend's
+`sample`, `sample_submit` and `sample_step` are these): the paged engine (`continuous.PagedEngine`), or the
+static one, where validated rows go in bucketed, chunked decode calls.
 
 Rows are grouped into chunks of at most `sample_max_num_sequences`, padded to a bucketed row count,
 prompt length, new-token count and stop-list length, so the number of compiled programs stays small and
@@ -8,28 +10,22 @@ device loop exits early on stop tokens and EOS only).
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass, field
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
 from tx import types
-from tx.backends.batching import bucket_length, bucket_rows
-from tx.models.sharding import batch_spec, put_global, to_host
+from tx.models.sharding import to_host
+from tx.runtime import Runtime, bucket_length, bucket_rows, pow2
 from tx.sampling.continuous import PagedEngine
 from tx.sampling.decode import DecodeInputs, DecodeOutputs, generate
 from tx.sampling.outputs import prompt_output, sequence_of
 from tx.sampling.prompt_scores import PromptScoreInputs, PromptScores, score_prompts
 from tx.sampling.requests import SampleLimits, SampleRow, validate
-
-if TYPE_CHECKING:
-    from tx.backends.jax import JaxBackend
+from tx.sampling.source import SamplingSettings, WeightsSource
+from tx.sampling.text import TextCodec
 
 
 def eos_token_ids(model_dir: Path) -> tuple[int, ...]:
@@ -43,71 +39,39 @@ def eos_token_ids(model_dir: Path) -> tuple[int, ...]:
     return ()
 
 
-def _pow2(n: int, minimum: int) -> int:
-    return max(minimum, 1 << (max(1, n) - 1).bit_length())
+def pow2_at_least(n: int, minimum: int) -> int:
+    return max(minimum, pow2(n))
 
 
 class Sampler:
-    def __init__(self, backend: JaxBackend, model_dir: Path):
-        self.backend = backend
-        self.model_dir = model_dir
-        self.eos_ids = eos_token_ids(model_dir)
-        self._tokenizer = None
+    def __init__(self, source: WeightsSource, runtime: Runtime, config: SamplingSettings):
+        self.source, self.runtime, self.config = source, runtime, config
+        self.eos_ids = eos_token_ids(source.model_dir)
+        self.text = TextCodec(source.model_dir)
+        self.decode_text, self.encode_text = self.text.decode_text, self.text.encode_text
         # the paged engine (its KV pool is allocated at first use); a pool too small fails here, at startup
-        self._paged = PagedEngine(self) if backend.config.sample_engine == "paged" else None
+        self.paged = PagedEngine(source, runtime, config, self.text) if config.sample_engine == "paged" else None
         self._requests: dict[str, _Request] = {}  # submitted, not finished
         self._finished: dict[str, types.SampleOutput] = {}  # finished, not yet returned by `step`
-
-    def _tokens(self):
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        return self._tokenizer
-
-    def decode_text(self, tokens: list[int]) -> str:
-        return self._tokens().decode(tokens, skip_special_tokens=False)
-
-    def encode_text(self, text: str) -> list[int]:
-        """`text`'s token ids as the tokenizer writes it (no special tokens added)."""
-        return self._tokens().encode(text, add_special_tokens=False)
-
-    def _put(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        mesh = self.backend.mesh
-        return {k: put_global(v, NamedSharding(mesh, batch_spec(v.ndim))) for k, v in arrays.items()}
-
-    def _jit(self, key: tuple, fn: Callable, static: tuple[str, ...]) -> Callable:
-        backend = self.backend
-        return backend._fn(key, lambda: jax.jit(self._counting(key[0], fn), static_argnames=static))
-
-    def _counting(self, name: str, fn: Callable) -> Callable:
-        on_trace = self.backend._counted(name)
-
-        @functools.wraps(fn)
-        def wrapped(*args, **kwargs):
-            on_trace()
-            return fn(*args, **kwargs)
-
-        return wrapped
 
     # ---- decode ----
 
     def _chunk_rows(self, rows: list[SampleRow]) -> list[list[int]]:
         order = sorted(range(len(rows)), key=lambda i: len(rows[i].prompt))
-        cap = self.backend.config.sample_max_num_sequences or max(1, len(order))
+        cap = self.config.sample_max_num_sequences or max(1, len(order))
         return [order[i : i + cap] for i in range(0, len(order), cap)]
 
     def _decode_chunk(self, rows: list[SampleRow]) -> DecodeOutputs:
-        fsdp = self.backend.mesh.shape["fsdp"]
-        cap = self.backend.config.sample_max_num_sequences
+        fsdp = self.runtime.mesh.shape["fsdp"]
+        cap = self.config.sample_max_num_sequences
         b = bucket_rows(len(rows), fsdp)
         if cap:
             b = min(b, -(-cap // fsdp) * fsdp)
         p = bucket_length(max(len(r.prompt) for r in rows))
         max_new = bucket_length(max(r.max_tokens for r in rows))
-        s = _pow2(max(len(r.stop_tokens) for r in rows), 4)
+        s = pow2_at_least(max(len(r.stop_tokens) for r in rows), 4)
         want_topk = max(r.options.topk_sample_logprobs for r in rows)
-        topk = _pow2(want_topk, 1) if want_topk else 0
+        topk = pow2_at_least(want_topk, 1) if want_topk else 0
         arrays = {
             "prompt_bt": np.zeros((b, p), np.int32),
             "prompt_len_b": np.ones(b, np.int32),
@@ -133,22 +97,22 @@ class Sampler:
             arrays["repetition_penalty_b"][i] = row.repetition_penalty
             arrays["seed_b"][i] = row.seed
             arrays["stop_bs"][i, : len(row.stop_tokens)] = row.stop_tokens
-        fn = self._jit(("sample", b, p, max_new, s, topk), generate, ("max_new", "topk"))
-        out = self.backend._run("sample", fn, self.backend.model, DecodeInputs(**self._put(arrays)), max_new=max_new,
-                                topk=topk)
+        fn = self.runtime.jit(("sample", b, p, max_new, s, topk), generate, ("max_new", "topk"))
+        out = self.runtime.run("sample", fn, self.source.model, DecodeInputs(**self.runtime.put_batch(arrays)),
+                               max_new=max_new, topk=topk)
         return DecodeOutputs(*(None if x is None else to_host(x) for x in out))
 
     # ---- prompt scores (prompt_logprobs, topk_prompt_logprobs, target_prompt_logprobs, prompt_alt_tokens) ----
 
     def _score_prompts(self, rows: list[SampleRow], top_k: int) -> PromptScores:
         """Scores of each row's prompt (row i of the result = rows[i]), on the host; top-k width `top_k`."""
-        fsdp = self.backend.mesh.shape["fsdp"]
+        fsdp = self.runtime.mesh.shape["fsdp"]
         b, p = bucket_rows(len(rows), fsdp), bucket_length(max(len(r.prompt) for r in rows))
-        k = _pow2(top_k, 1) if top_k else 0
+        k = pow2_at_least(top_k, 1) if top_k else 0
         want_alt = max(r.options.prompt_alt_tokens_k for r in rows)
-        alt = _pow2(want_alt, 1) if want_alt else 0
+        alt = pow2_at_least(want_alt, 1) if want_alt else 0
         want_m = max((r.targets.width for r in rows if r.targets is not None), default=0)
-        m = _pow2(want_m, 1) if want_m else 0
+        m = pow2_at_least(want_m, 1) if want_m else 0
         arrays = {"ids_bt": np.zeros((b, p), np.int32), "mask_bt": np.zeros((b, p), np.int32),
                   "adapter_b": np.zeros(b, np.int32), "target_ids_btm": np.full((b, p, m), -1, np.int32),
                   "temperature_b": np.zeros(b, np.float32), "seed_b": np.zeros(b, np.uint32)}
@@ -158,24 +122,25 @@ class Sampler:
             arrays["temperature_b"][i], arrays["seed_b"][i] = row.temperature, row.seed
             if row.targets is not None:
                 arrays["target_ids_btm"][i, : n - 1, : row.targets.width] = row.targets.device_ids(n - 1)
-        chunk = self.backend.config.loss_chunk_size
-        fn = self._jit(("score_prompts", b, p, k, m, alt), score_prompts, ("chunk_size", "top_k", "alt_k"))
-        out = self.backend._run("score_prompts", fn, self.backend.model, PromptScoreInputs(**self._put(arrays)),
-                                chunk_size=chunk, top_k=k, alt_k=alt)
+        chunk = self.config.loss_chunk_size
+        fn = self.runtime.jit(("score_prompts", b, p, k, m, alt), score_prompts, ("chunk_size", "top_k", "alt_k"))
+        out = self.runtime.run("score_prompts", fn, self.source.model,
+                               PromptScoreInputs(**self.runtime.put_batch(arrays)), chunk_size=chunk, top_k=k,
+                               alt_k=alt)
         return PromptScores(*(None if x is None else to_host(x) for x in out))
 
     # ---- requests in flight: submit, step, and the one-call form ----
 
     def _limits(self) -> SampleLimits:
-        backend = self.backend
+        config = self.config
         return SampleLimits(
-            vocab=backend.model.config.vocab_size,
-            max_seq_len=backend.max_seq_len,
-            max_num_samples=backend.config.max_num_samples,
+            vocab=self.source.model.config.vocab_size,
+            max_seq_len=self.source.max_seq_len,
+            max_num_samples=config.max_num_samples,
             eos_ids=self.eos_ids,
-            default_max_tokens=backend.config.default_max_tokens,
-            max_topk_prompt_logprobs=backend.config.max_topk_prompt_logprobs,
-            max_target_prompt_logprobs=backend.config.max_target_prompt_logprobs,
+            default_max_tokens=config.default_max_tokens,
+            max_topk_prompt_logprobs=config.max_topk_prompt_logprobs,
+            max_target_prompt_logprobs=config.max_target_prompt_logprobs,
         )
 
     @property
@@ -190,13 +155,13 @@ class Sampler:
     def submit(self, batch: types.PreparedSampleBatch) -> dict[str, types.ErrorResponse]:
         """Validate and queue a batch's requests; the ones refused (each with its error). The others' results
         come from `step`. Prompt scores are computed here (one prefill per request that asks for them)."""
-        backend = self.backend
+        source = self.source
         pinned: set[int] = self.slots_read()  # slots this batch and unfinished requests use: not to be evicted
 
         def adapter_of(model_id: str, checkpoint_path: str) -> int:
             if checkpoint_path:
                 try:
-                    slot = backend._sampler_slot(checkpoint_path, pinned)
+                    slot = source.sampler_slot(checkpoint_path, pinned)
                 except Exception as e:
                     message = str(e.args[0]) if e.args else f"{type(e).__name__}: {e}"
                     if not isinstance(e, (KeyError, ValueError, FileNotFoundError)):
@@ -206,7 +171,7 @@ class Sampler:
                     raise ValueError(message) from e
                 pinned.add(slot)
                 return slot
-            return backend._sample_slot(model_id)
+            return source.sample_slot(model_id)
 
         rows, errors = validate(batch, adapter_of, self._limits())
         refused = {batch.request_batch_slices[r][0]: types.ErrorResponse(error=msg) for r, msg in errors.items()}
@@ -225,24 +190,24 @@ class Sampler:
             if q.request_id in self._requests:
                 raise ValueError(f"request {q.request_id} is already being sampled")
             self._requests[q.request_id] = q
-            if self._paged is not None:
-                self._paged.add(q.rows, [(q.request_id, j) for j in range(len(q.rows))])
+            if self.paged is not None:
+                self.paged.add(q.rows, [(q.request_id, j) for j in range(len(q.rows))])
         return refused
 
     def step(self) -> dict[str, types.SampleOutput]:
         """Advance the unfinished requests (paged engine: one iteration; static: all of them to the end);
         the requests that finished. A failure fails every unfinished request (the caller reports it)."""
         try:
-            if self._paged is not None:
+            if self.paged is not None:
                 if self._requests:
-                    self._collect(self._paged.step())
+                    self._collect(self.paged.step())
             elif self._requests:
                 self._run_static([q for q in self._requests.values() if q.left])
         except BaseException:
             self._requests.clear()
             self._finished.clear()
-            if self._paged is not None:
-                self._paged.reset()
+            if self.paged is not None:
+                self.paged.reset()
             raise
         out, self._finished = self._finished, {}
         return out
@@ -250,9 +215,9 @@ class Sampler:
     def before_weights_change(self, slot: int) -> None:
         """Adapter `slot`'s weights are about to change: finish the requests that sample from it first, so
         none mixes tokens of two versions (their results wait for the next `step`)."""
-        if self._paged is not None:
-            while self._paged.reads(slot):
-                self._collect(self._paged.step())
+        if self.paged is not None:
+            while self.paged.reads(slot):
+                self._collect(self.paged.step())
         else:
             pending = [q for q in self._requests.values() if q.left and any(r.adapter == slot for r in q.rows)]
             if pending:

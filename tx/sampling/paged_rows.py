@@ -1,0 +1,81 @@
+"""The paged engine's rows as it tracks them: a row from `add` to its end (`Row`, its `RowResult`), the rows
+reading one prompt's pages (`Group`), and a row holding a decode slot (`Live`). `continuous.PagedEngine`
+moves them between its queues; `paged_calls.PagedDevice` packs them into device calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tx.sampling.decode import DecodeOutputs
+from tx.sampling.requests import SampleRow
+
+
+@dataclass
+class RowResult:
+    tokens: list[int]
+    logprobs: list[float]
+    stopped: bool  # ended on a stop token (else max_tokens)
+    cached_prompt_tokens: int = 0  # of its request's prompt, read from the prefix cache
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+
+    def as_outputs(self, topk: int) -> DecodeOutputs:
+        """This row as row 0 of a static decode's outputs (for `outputs.sequence_of`)."""
+        n = len(self.tokens)
+        top = (None, None)
+        if topk:
+            top = (np.asarray(self.top_ids, np.int32).reshape(1, n, topk),
+                   np.asarray(self.top_logprobs, np.float32).reshape(1, n, topk))
+        return DecodeOutputs(np.asarray([self.tokens], np.int32).reshape(1, n),
+                             np.asarray([self.logprobs], np.float32).reshape(1, n), np.asarray([n]),
+                             np.asarray([self.stopped]), *top)
+
+
+@dataclass(eq=False)  # compared by identity
+class Row:
+    """One sampled sequence from `add` to its end."""
+
+    spec: SampleRow
+    tag: Any  # the caller's name for it, returned with its result
+    serial: int  # order of arrival (preemption takes the youngest)
+    result: RowResult = field(default_factory=lambda: RowResult([], [], False))
+
+
+@dataclass(eq=False)  # compared by identity
+class Group:
+    """Rows that read one prompt's pages (positions 0 .. n-2): a request's rows, or a resumed row whose
+    prompt is its request's prompt + the tokens it had sampled."""
+
+    rows: list[Row]  # not yet given a slot
+    prompt: np.ndarray
+    adapter: int
+    identity: str | None = None  # the weights its KV is computed with (prefix-cache key); None: not shared
+    pages: list[int] = field(default_factory=list)
+    prefilled: int = 0
+    cached: int | None = None  # prompt tokens read from the prefix cache when first admitted
+    live: int = 0  # rows holding a slot
+    resumed: bool = False
+    tenant: str = ""  # who sent it (fair admission)
+
+    @property
+    def prefix(self) -> int:
+        return len(self.prompt) - 1
+
+    @property
+    def ready(self) -> bool:
+        return self.prefilled >= self.prefix
+
+
+@dataclass(eq=False)  # compared by identity
+class Live:
+    row: Row
+    group: Group
+    table: list[int]
+    own: list[int]  # pages only this row holds
+    pos: int  # position of the next input token
+    token: int  # the next input token
+    last: int  # the last position this row may write (prompt + max_tokens - 2)
+    copy: tuple[int, int] | None = None  # (src, dst) page copy its first decode call makes
