@@ -20,7 +20,10 @@ Workloads, each (engine, run) in its own process so memory peaks and compile cac
                           prompt drawn in `--rl-max-tokens`; one call, after a warm-up call on other prompts.
 tx samples with its default (paged) engine, for sample_rl with a decode slot per row; SkyRL decodes a call
 as one padded batch and samples an adapter from a sampler checkpoint, saved once (its Tinker flow).
-`--tx-config` / `--skyrl-config` (JSON) override either backend's config fields.
+`--tx-config` / `--skyrl-config` (JSON) override either backend's config fields. `--tx-source DIR` runs the tx
+of an older commit (`git archive <rev> tx | tar -x -C DIR`; PYTHONPATH alone would not: an editable install's
+import hook comes first), e.g. the issue's RL comparison with 756636f: `--only tx --workloads sample_rl`, once
+with `--tx-source` and once without.
 Cross-checks (first run of each): per-row log-prob sums of a forward pass on the first training batch
 (adapters are fresh: B = 0 in both engines) agree to `--rtol`, and greedy tokens are identical.
 Prints one JSON line per (workload, engine) (medians over `--runs`), a ratio line tx/skyrl, check lines.
@@ -266,6 +269,14 @@ def workload_shapes(name: str, args: argparse.Namespace) -> dict:
                     "greedy": True}
 
 
+def use_tx_source(folder: str) -> None:
+    """Import tx from `folder` (e.g. `git archive <rev> tx | tar -x -C folder`) instead of the installed tx. An
+    editable install's import hook comes before PYTHONPATH and sys.path, so setting those alone would still
+    run the working tree's tx: the hook is removed first."""
+    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in f"{getattr(f, '__module__', '')} {f!r}"]
+    sys.path.insert(0, str(Path(folder).resolve()))
+
+
 def child(spec: dict) -> None:
     """Run one workload on one engine; print its result as a `RESULT {json}` line."""
     args = argparse.Namespace(**spec["args"])
@@ -283,7 +294,11 @@ def child(spec: dict) -> None:
         adapters, seq, extra = 1, args.prompt_len + args.new_tokens + 1, {}
     extra |= json.loads(args.tx_config if engine_name == "tx" else args.skyrl_config)
     if engine_name == "tx":
-        import tx  # noqa: F401  imports first, so import_rss_mb separates them from the engine's memory
+        if args.tx_source:
+            use_tx_source(args.tx_source)
+        import tx  # imports first, so import_rss_mb separates them from the engine's memory
+
+        tx_package = str(Path(tx.__file__).parent)
     else:
         import skyrl.backends.jax  # noqa: F401
     import_rss = peak_rss_mb()
@@ -291,6 +306,7 @@ def child(spec: dict) -> None:
     settings = engine.backend.config.model_dump(exclude_defaults=True)
     if engine_name == "tx":
         settings["sample_engine"] = engine.backend.config.sample_engine
+        settings["tx_package"] = tx_package  # which tx ran (--tx-source)
     for logger in ("tx", "skyrl"):  # per-step INFO lines would be timed too
         logging.getLogger(logger).setLevel(logging.WARNING)
     if name.startswith("train_"):
@@ -407,6 +423,9 @@ def main() -> None:
     parser.add_argument("--rl-max-tokens", type=int, nargs=2, default=[16, 256])
     parser.add_argument("--rtol", type=float, default=1e-3, help="log-prob sums: relative tolerance")
     parser.add_argument("--tx-config", default="{}", help="JSON of tx JaxBackendConfig fields to override")
+    parser.add_argument("--tx-source", help="run tx from this folder (holding a `tx` package, e.g. `git archive "
+                        "<rev> tx | tar -x -C DIR`) instead of the installed one: an older commit side by side; "
+                        "its engine_config.tx_package says which ran")
     parser.add_argument("--skyrl-config", default="{}", help="JSON of SkyRL JaxBackendConfig fields to override")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per child process")
     parser.add_argument("--child", help=argparse.SUPPRESS)
