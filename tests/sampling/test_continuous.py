@@ -234,3 +234,26 @@ def test_programs_stay_bounded_over_200_random_requests(tiny_dirs):
     assert all(len(s.tokens) <= r[2][0][1].max_tokens for r in requests for s in got[r[0]].sequences)
     programs = sum(v for k, v in b.metrics.compiles.items() if k.startswith("sample"))
     assert programs <= 12, b.metrics.compiles
+
+
+def test_a_long_call_ends_when_half_the_slots_could_go(tiny_dirs):
+    """With no request waiting a decode call may run `max_decode_steps_per_call` steps, but every slot of the
+    call costs its compute until it returns: once enough rows will have written their max_tokens that the
+    rest fit half the slots, the call ends there. Tokens are those of each request alone."""
+    b = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **(PAGED | {"max_decode_steps_per_call": 64})))
+    short = ("short", "", [(PROMPTS[0], SP(max_tokens=10, temperature=1.0, seed=4, stop=[]))] * 4, False, 0)
+    long = ("long", "", [(PROMPTS[1], SP(max_tokens=40, temperature=1.0, seed=5, stop=[]))] * 4, False, 0)
+    want = alone(b, [short, long])
+    calls, decode = [], b.sampler.paged.device.decode
+
+    def spy(live, bound):
+        calls.append((len(live), bound))
+        return decode(live, bound)
+
+    b.sampler.paged.device.decode = spy
+    out = drive(b, [[sample_batch([short]), sample_batch([long])]])
+    for request_id in want:
+        same(want[request_id], out[request_id])
+    all_eight = [bound for n, bound in calls if n == 8]
+    assert all_eight and sum(all_eight) <= 10, calls  # 8 slots only until the short rows are done
+    assert max(bound for _, bound in calls) > 4, calls  # the rest still ran in long calls

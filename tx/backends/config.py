@@ -100,7 +100,8 @@ class JaxBackendConfig(BaseModel):
                                        "requests wait to join (rows join and leave between calls)")
     max_decode_steps_per_call: int = Field(64, ge=1, description="paged engine: decode steps per device call when "
                                            "no request waits (one on-device loop that ends early once every row has "
-                                           "stopped; the bound is traced, so both sizes share one program)")
+                                           "stopped, and sooner where enough rows reach their max_tokens that the rest "
+                                           "fit half the slots; the bound is traced, so both sizes share one program)")
     paged_attention_impl: Literal["blocked", "reference", "pallas"] = Field(
         "blocked", description="paged engine: attention over pages ('blocked': XLA online softmax over KV blocks; "
         "'reference' gathers every page: the oracle; 'pallas': the ragged paged attention Pallas kernel, for TPU, "
