@@ -35,12 +35,14 @@ from typing import Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
+from tx.registry import Registry
+
 LossFn = Callable[[jax.Array, Mapping[str, jax.Array], Mapping[str, jax.Array]], jax.Array]
 INPUT_KEYS = ("weights", "logprobs", "advantages", "sequence_ratio_mask")
 AUX_INPUTS = ("entropy", "values")  # computed by the pass only for losses that ask (needs_entropy / needs_values)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class LossSpec:
     name: str
     fn: LossFn
@@ -53,13 +55,16 @@ class LossSpec:
     needs_logprobs: bool = True  # False: never reads target_logprobs (a critic's loss), so passes of only such
     #                              rows skip the LM head (target_logprobs are zeros there, not returned)
 
+    def __repr__(self) -> str:  # what a registry error names
+        return f"{getattr(self.fn, '__module__', '?')}.{getattr(self.fn, '__qualname__', repr(self.fn))}"
+
     @property
     def aux(self) -> tuple[str, ...]:
         """The per-position quantities the pass computes for this loss (and returns per datum)."""
         return tuple(k for k, on in (("entropy", self.needs_entropy), ("values", self.needs_values)) if on)
 
 
-_REGISTRY: dict[str, LossSpec] = {}
+_LOSSES: Registry[LossSpec] = Registry("loss function")
 _VERSION = [0]  # bumped on every register: compiled passes key on it, so a replaced loss is re-traced
 
 
@@ -86,10 +91,8 @@ def register(name: str, fn: LossFn | None = None, *, config_defaults: Mapping[st
                              f"target_tokens and {', '.join(INPUT_KEYS)}")
 
     def add(f: LossFn) -> LossFn:
-        if name in _REGISTRY and not replace:
-            raise ValueError(f"loss {name!r} is already registered (pass replace=True to override)")
-        _REGISTRY[name] = LossSpec(name, f, dict(config_defaults or {}), multi_target, tuple(input_keys), needs_entropy,
-                                   check, needs_values, needs_logprobs)
+        _LOSSES.register(name, LossSpec(name, f, dict(config_defaults or {}), multi_target, tuple(input_keys),
+                                        needs_entropy, check, needs_values, needs_logprobs), replace=replace)
         _VERSION[0] += 1
         return f
 
@@ -97,13 +100,11 @@ def register(name: str, fn: LossFn | None = None, *, config_defaults: Mapping[st
 
 
 def get(name: str) -> LossSpec:
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown loss function {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name]
+    return _LOSSES.get(name)
 
 
 def names() -> tuple[str, ...]:
-    return tuple(sorted(_REGISTRY))
+    return tuple(_LOSSES.names())
 
 
 def version() -> int:
@@ -111,13 +112,18 @@ def version() -> int:
     return _VERSION[0]
 
 
-def config_keys() -> tuple[str, ...]:
-    return tuple(sorted({k for spec in _REGISTRY.values() for k in spec.config_defaults}))
+def config_keys(loss_names: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The `loss_fn_config` keys of these losses (default: every registered one), sorted: a pass's config
+    columns."""
+    specs = [get(n) for n in (names() if loss_names is None else loss_names)]
+    return tuple(sorted({k for spec in specs for k in spec.config_defaults}))
 
 
-def extra_input_keys() -> tuple[str, ...]:
-    """Every extra per-token input key some registered loss reads (the device batch carries each)."""
-    return tuple(sorted({k for spec in _REGISTRY.values() for k in spec.input_keys}))
+def extra_input_keys(loss_names: Sequence[str] | None = None) -> tuple[str, ...]:
+    """Every extra per-token input key these losses (default: every registered one) read; a pass's batch
+    carries these."""
+    specs = [get(n) for n in (names() if loss_names is None else loss_names)]
+    return tuple(sorted({k for spec in specs for k in spec.input_keys}))
 
 
 def resolve_config(name: str, config: Mapping[str, float] | None) -> dict[str, float]:
@@ -143,34 +149,37 @@ def per_token_losses(
 ) -> jax.Array:
     """Each row's own loss (`loss_names[loss_index_b[b]]`, config row `config_bk[b]` over `keys`), [b, t].
 
-    `target_logprobs_btk` and `inputs_bt["weights"]` carry K target columns ([b, t, K]; 1-D rows use
-    column 0 and weigh the others 0; [b, t] means K = 1); every other input, extra keys included, is
-    [b, t] (missing = zeros).
+    `loss_names` are the losses of this pass's rows (the backend compiles one pass per set of losses present
+    in a call), and only those are evaluated. `target_logprobs_btk` and `inputs_bt["weights"]` carry K target
+    columns ([b, t, K]; 1-D rows use column 0 and weigh the others 0; [b, t] means K = 1); every other input,
+    extra keys included, is [b, t] (missing = zeros).
 
-    Every loss is evaluated on every row, but rows that do not use it see all-zero inputs, so a loss
-    that is not selected can never put inf / NaN into the gradient of a row that does not use it."""
+    With several losses each is evaluated on every row, but rows that do not use it see all-zero inputs, so a
+    loss that is not selected can never put inf / NaN into the gradient of a row that does not use it."""
     if target_logprobs_btk.ndim == 2:  # one target per position
         target_logprobs_btk = target_logprobs_btk[..., None]
     b_t = target_logprobs_btk.shape[:2]
-    zero_keys = INPUT_KEYS + extra_input_keys() + AUX_INPUTS  # aux: only passes that need them compute them
+    zero_keys = INPUT_KEYS + extra_input_keys(loss_names) + AUX_INPUTS  # aux: only passes that need them compute them
     inputs_bt = {k: jnp.zeros(b_t, target_logprobs_btk.dtype) for k in zero_keys} | dict(inputs_bt)
     if inputs_bt["weights"].ndim == 2:
         inputs_bt["weights"] = inputs_bt["weights"][..., None]
+    config = {k: config_bk[:, j] for j, k in enumerate(keys)}
     total_bt = jnp.zeros(b_t, target_logprobs_btk.dtype)
     for i, name in enumerate(loss_names):
         spec = get(name)
         on_b = loss_index_b == i
 
         def keep(x, on_b=on_b):
+            if len(loss_names) == 1:  # every real row uses it; padding rows are zeros and masked later
+                return x
             return jnp.where(on_b.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0.0)
 
         tlp = target_logprobs_btk if spec.multi_target else target_logprobs_btk[..., 0]
         inputs = {k: keep(v if k != "weights" or spec.multi_target else v[..., 0]) for k, v in inputs_bt.items()}
-        config = {k: config_bk[:, j] for j, k in enumerate(keys)}
         row_fn = lambda tlp, inp, cfg, f=spec.fn: f(tlp, inp, cfg)  # noqa: E731
         loss = jax.vmap(row_fn)(keep(tlp), inputs, config)
         loss_bt = loss.sum(axis=tuple(range(2, loss.ndim)))
-        total_bt = jnp.where(on_b[:, None], loss_bt, total_bt)
+        total_bt = loss_bt if len(loss_names) == 1 else jnp.where(on_b[:, None], loss_bt, total_bt)
     return total_bt
 
 

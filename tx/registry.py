@@ -13,6 +13,13 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 
 
+class UnknownName(KeyError, ValueError):
+    """A name no registry entry has; its message (not KeyError's quoted repr) says what is registered."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 class Registry(Generic[T]):
     """Objects by name; `kind` names what they are in errors ("architecture", "loss", ...)."""
 
@@ -45,7 +52,7 @@ class Registry(Generic[T]):
 
     def get(self, name: str) -> T:
         if name not in self._items:
-            raise ValueError(f"unknown {self.kind} {name!r}; registered: {', '.join(self.names()) or '(none)'}")
+            raise UnknownName(f"unknown {self.kind} {name!r}; registered: {', '.join(self.names()) or '(none)'}")
         return self._items[name]
 
     def unregister(self, name: str) -> None:
@@ -54,6 +61,9 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         return sorted(self._items)
+
+    def items(self) -> list[tuple[str, T]]:
+        return [(name, self._items[name]) for name in self.names()]
 
     def __contains__(self, name: object) -> bool:
         return name in self._items

@@ -236,6 +236,37 @@ def test_custom_loss_trains_and_matches_numpy(tiny_dirs):
     assert out.metrics["loss:sum"] < 0.7 * first
 
 
+TRACED: list[str] = []  # which spy losses a pass traced
+
+
+@tx.losses.register("test_spy_a")
+def spy_a(tlp, inputs, config):
+    TRACED.append("a")
+    return -tlp * inputs["weights"]
+
+
+@tx.losses.register("test_spy_b")
+def spy_b(tlp, inputs, config):
+    TRACED.append("b")
+    return -2.0 * tlp * inputs["weights"]
+
+
+def test_a_pass_evaluates_only_the_losses_its_rows_use(tiny_dirs):
+    """Every loss registered in this process is not evaluated on every row: a pass is compiled per set of losses
+    present in the call, so a cross-entropy round never traces (or pays for) the others."""
+    backend = new_backend(tiny_dirs)
+    datums = random_datums(5, [7, 5])
+    TRACED.clear()
+    ce = backend.forward_backward(make_batch([ce_request("ce", "a", datums)]))["ce"]
+    assert TRACED == []
+    mixed = backend.forward_backward(make_batch([ce_request("ce", "a", datums), ("b", "a", datums, "test_spy_b", None)]))
+    assert sorted(set(TRACED)) == ["b"]
+    for want, got, b in zip(ce.loss_fn_outputs, mixed["ce"].loss_fn_outputs, mixed["b"].loss_fn_outputs):
+        np.testing.assert_allclose(got["elementwise_loss"].to_numpy(), want["elementwise_loss"].to_numpy(), rtol=1e-6)
+        np.testing.assert_allclose(b["elementwise_loss"].to_numpy(), 2 * want["elementwise_loss"].to_numpy(), rtol=1e-6)
+    assert "a" not in TRACED
+
+
 @tx.losses.register("test_pull_to_ref", config_defaults={"scale": 1.0}, input_keys=("ref_logprobs",))
 def pull_to_ref(tlp, inputs, config):
     """A custom loss with an extra per-token input: scale * weights * (tlp - ref_logprobs)^2."""

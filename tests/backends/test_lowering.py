@@ -82,8 +82,7 @@ def target(request, tiny_dirs) -> Target:
 
 
 def _pass_batch(t: Target) -> dict:
-    extra_keys = losses.extra_input_keys()
-    return t.batch(batching.pack([], t.rows, SEQ, len(losses.config_keys()), extra_keys))
+    return t.batch(batching.pack([], t.rows, SEQ, losses.names()))
 
 
 def _hp() -> dict:

@@ -29,8 +29,8 @@ class Row:
     logprobs: np.ndarray  # float32 [n]
     advantages: np.ndarray  # float32 [n]
     ratio_mask: np.ndarray  # float32 [n]: sequence_ratio_mask
-    loss_index: int
-    config: np.ndarray  # float32 [len(losses.config_keys())]
+    loss: str  # its registered loss function
+    config: dict[str, float]  # the loss's resolved loss_fn_config
     segment_ids: np.ndarray  # int32 [n]
     extra: dict[str, np.ndarray] = field(default_factory=dict)  # float32 [n] per extra input key of its loss
     temperature: float = 1.0  # log-probs of softmax(logits / temperature)
@@ -200,7 +200,6 @@ def validate(
     max_seq_len: int,
 ) -> tuple[list[Row], dict[int, str]]:
     """Rows of the valid requests, and an error message per invalid request (by slice index)."""
-    loss_names, keys = losses.names(), losses.config_keys()
     masks = batch.all_ratio_masks
     extra_inputs = batch.all_extra_inputs or {}
     rows: list[Row] = []
@@ -240,8 +239,8 @@ def validate(
                         logprobs=_float_field("logprobs", batch.all_sampling_logprobs[i], n, i - start),
                         advantages=_float_field("advantages", batch.all_advantages[i], n, i - start),
                         ratio_mask=_float_field("sequence_ratio_mask", masks[i] if masks else [], n, i - start),
-                        loss_index=loss_names.index(loss),
-                        config=np.asarray([config.get(k, 0.0) for k in keys], np.float32),
+                        loss=loss,
+                        config=config,
                         segment_ids=segments,
                         extra=_extra_inputs(extra_inputs, i, spec, n, i - start),
                         temperature=_temperature(batch.all_temperatures, i, i - start),
@@ -263,12 +262,19 @@ def _temperature(temperatures: list[float] | None, i: int, datum: int) -> float:
     return value
 
 
-def pack(rows: list[Row], num_rows: int, seq_len: int, num_keys: int,
-         extra_keys: Sequence[str] = ()) -> dict[str, np.ndarray]:
+def loss_names_of(rows: list[Row]) -> tuple[str, ...]:
+    """The losses these rows use, sorted: what a pass over them evaluates (and compiles for)."""
+    return tuple(sorted({row.loss for row in rows}))
+
+
+def pack(rows: list[Row], num_rows: int, seq_len: int, loss_names: Sequence[str]) -> dict[str, np.ndarray]:
     """Right-padded arrays; padding rows use adapter 0 and zero everything (they add exactly nothing).
     Targets and weights are [rows, seq_len, K], K the most target columns of any row (1-D rows fill
-    column 0; the other columns weigh 0). Each of `extra_keys` is a [rows, seq_len] float32 array (zeros
-    in rows whose loss does not read it)."""
+    column 0; the other columns weigh 0). `loss_names` are the pass's losses (each row's among them):
+    "loss_index" points into it, "config" has a column per `losses.config_keys(loss_names)` and each of
+    `losses.extra_input_keys(loss_names)` is a [rows, seq_len] float32 array (zeros in rows whose loss does
+    not read it)."""
+    keys, extra_keys = losses.config_keys(loss_names), losses.extra_input_keys(loss_names)
     k = max((r.targets.shape[1] for r in rows if r.targets.ndim == 2), default=1)
     out = {
         "input_ids": np.zeros((num_rows, seq_len), np.int32),
@@ -280,7 +286,7 @@ def pack(rows: list[Row], num_rows: int, seq_len: int, num_keys: int,
         "advantages": np.zeros((num_rows, seq_len), np.float32),
         "adapter": np.zeros(num_rows, np.int32),
         "loss_index": np.zeros(num_rows, np.int32),
-        "config": np.zeros((num_rows, num_keys), np.float32),
+        "config": np.zeros((num_rows, len(keys)), np.float32),
         "segment_ids": np.zeros((num_rows, seq_len), np.int32),
         "positions": np.zeros((num_rows, seq_len), np.int32),
         "temperature": np.ones(num_rows, np.float32),
@@ -298,8 +304,8 @@ def pack(rows: list[Row], num_rows: int, seq_len: int, num_keys: int,
         for key, values in row.extra.items():
             out[key][b, :n] = values
         out["adapter"][b] = row.adapter
-        out["loss_index"][b] = row.loss_index
-        out["config"][b] = row.config
+        out["loss_index"][b] = loss_names.index(row.loss)
+        out["config"][b] = [row.config.get(k, 0.0) for k in keys]
         out["temperature"][b] = row.temperature
         seg = row.segment_ids
         out["segment_ids"][b, :n] = seg

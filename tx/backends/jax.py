@@ -235,19 +235,19 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
             warn_cudnn_packed(self.platform)  # those micro-batches run blockwise (decided on device)
         name = "forward_backward" if with_grad else "forward"
         graphdef, lora, frozen = self._split_trainable()
-        extra_keys = losses.extra_input_keys()
-        loss_names = losses.names()
-        aux = tuple(k for k in losses.AUX_INPUTS if any(k in losses.get(loss_names[r.loss_index]).aux for r in rows))
+        loss_names = batching.loss_names_of(rows)  # one program per set of losses present, evaluating only those
+        extra_keys = losses.extra_input_keys(loss_names)
+        aux = tuple(k for k in losses.AUX_INPUTS if any(k in losses.get(r.loss).aux for r in rows))
         tempered = any(r.temperature != 1.0 for r in rows)
-        with_logprobs = any(losses.get(loss_names[r.loss_index]).needs_logprobs for r in rows)
+        with_logprobs = any(losses.get(r.loss).needs_logprobs for r in rows)
         head_lora = self._head_adapted({r.adapter for r in rows})
         fns = {
-            mode: self.runtime.program((mode, loss_names, losses.version(), losses.config_keys(), extra_keys, aux,
-                                        tempered, with_logprobs, head_lora),
+            mode: self.runtime.program((mode, loss_names, losses.version(), extra_keys, aux, tempered, with_logprobs,
+                                        head_lora),
                                        lambda mode=mode: make_model_pass(graphdef, self.config.loss_chunk_size, mode,
                                                                          self.runtime.counted(name), self._grad_dtype,
                                                                          extra_keys, aux, tempered, with_logprobs,
-                                                                         head_lora))
+                                                                         head_lora, loss_names))
             for mode in (("grads", "accumulate") if with_grad else ("forward",))
         }
         fsdp = self.mesh.shape["fsdp"]
@@ -259,7 +259,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
             chunk = [rows[i] for i in idx]
             num_rows, seq_len = batching.micro_batch_shape(
                 [len(r.input_ids) for r in chunk], fsdp, self.config.train_micro_batch_size)
-            arrays = batching.pack(chunk, num_rows, seq_len, len(losses.config_keys()), extra_keys)
+            arrays = batching.pack(chunk, num_rows, seq_len, loss_names)
             self.runtime.count_tokens(name, sum(len(r.input_ids) for r in chunk), num_rows * seq_len)
             device_batch = {
                 k: put_global(v, NamedSharding(self.mesh, batch_spec(v.ndim))) for k, v in arrays.items()
@@ -277,7 +277,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
                 cols = rows[i].targets.shape[1] if rows[i].targets.ndim == 2 else None  # [n, K] in, [n, K] out
                 logprobs[i] = tlp_bt[b, :n, :cols] if cols else tlp_bt[b, :n, 0]
                 elementwise[i] = loss_bt[b, :n]
-                for k in losses.get(loss_names[rows[i].loss_index]).aux:  # what the row's loss reads, returned
+                for k in losses.get(rows[i].loss).aux:  # what the row's loss reads, returned
                     aux_out[i][k] = aux_bt[k][b, :n]
         by_request: dict[int, list[int]] = {}
         for i, row in enumerate(rows):
@@ -294,7 +294,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
                 continue
             outputs = [
                 ({"logprobs": types.TensorData.from_numpy(logprobs[i].astype(np.float32))}
-                 if losses.get(loss_names[rows[i].loss_index]).needs_logprobs else {})
+                 if losses.get(rows[i].loss).needs_logprobs else {})
                 | {"elementwise_loss": types.TensorData.from_numpy(elementwise[i].astype(np.float32))}
                 | {k: types.TensorData.from_numpy(v.astype(np.float32)) for k, v in aux_out[i].items()}
                 for i in members

@@ -3,7 +3,8 @@ a compile later (with the persistent compilation cache, a restart then reads the
 
 What is compiled, by running each program once on a scratch adapter (created, then deleted; nothing else
 is touched):
-- forward_backward, per loss function given and for adapters that train the LM head and those that do not
+- forward_backward, per loss function given (a pass evaluates only the losses of its rows, so a call that
+  mixes losses compiles that set's pass at first use) and for adapters that train the LM head and those that do not
   (the latter skip its LoRA delta): its "grads" and "accumulate" programs at every padded
   micro-batch shape (`batching.model_pass_shapes`: lengths bucketed 16, 24, 32, 48, 64, 96, ... up to
   max_seq_len, so padding stays under 50% with a logarithmic number of shapes; rows in powers of two times

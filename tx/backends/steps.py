@@ -49,6 +49,7 @@ def make_model_pass(
     tempered: bool = False,
     with_logprobs: bool = True,
     head_lora: bool = True,
+    loss_names: tuple[str, ...] | None = None,
 ) -> Callable:
     """The jitted pass of one micro-batch, by `mode` (gradients cast to `grad_dtype` when given):
 
@@ -66,10 +67,13 @@ def make_model_pass(
     per-block in-place add over the vocabulary and its backward: 3.12 -> 2.72 s per 8x128 pass of a 100M
     model on CPU).
 
-    `extra_keys` are the extra per-token loss inputs the batch carries (`losses.extra_input_keys()`).
+    `loss_names` are the losses the pass evaluates (the batch's "loss_index" points into them; default: every
+    registered one); `extra_keys` the extra per-token loss inputs the batch carries
+    (`losses.extra_input_keys(loss_names)`).
     None of them reads the gradient sums: a call accumulates into its own temporary and the backend
     commits it with `commit_grads` once every micro-batch has succeeded (all-or-nothing per call)."""
-    loss_names, keys = losses.names(), losses.config_keys()
+    loss_names = losses.names() if loss_names is None else loss_names
+    keys = losses.config_keys(loss_names)
 
     def summed_loss(lora, frozen, batch):
         model = nnx.merge(graphdef, lora, frozen)
