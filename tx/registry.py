@@ -21,10 +21,12 @@ class UnknownName(KeyError, ValueError):
 
 
 class Registry(Generic[T]):
-    """Objects by name; `kind` names what they are in errors ("architecture", "loss", ...)."""
+    """Objects by name; `kind` names what they are in errors ("architecture", "loss", ...). `strict`: the same
+    object registered again under its name also raises (registries of plain functions, where that is a slip)."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, *, strict: bool = False):
         self.kind = kind
+        self.strict = strict
         self._items: dict[str, T] = {}
 
     def register(self, name: str, item: T, *, replace: bool = False) -> T:
@@ -34,7 +36,7 @@ class Registry(Generic[T]):
 
     def _check_free(self, name: str, item: T, replace: bool) -> None:
         old = self._items.get(name)
-        if old is not None and old is not item and not replace:
+        if old is not None and (old is not item or self.strict) and not replace:
             raise ValueError(f"{self.kind} {name!r} is already registered (to {_describe(old)}); "
                              f"pass replace=True to replace it with {_describe(item)}")
 
@@ -64,6 +66,13 @@ class Registry(Generic[T]):
 
     def items(self) -> list[tuple[str, T]]:
         return [(name, self._items[name]) for name in self.names()]
+
+    def snapshot(self) -> dict[str, T]:
+        """What is registered now, for `restore` (tests register freely between the two)."""
+        return dict(self._items)
+
+    def restore(self, snapshot: dict[str, T]) -> None:
+        self._items = dict(snapshot)
 
     def __contains__(self, name: object) -> bool:
         return name in self._items

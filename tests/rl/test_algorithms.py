@@ -225,7 +225,8 @@ def test_advantage_registry():
         alg.register_advantage_estimator(name, lambda r, m, g, v, p: (m * 5.0, m), replace=True)
         assert np.all(alg.compute_advantages(name, np.zeros((2, 3)), np.ones((2, 3)), [0, 1])[0] == 5.0)
     finally:
-        alg._ESTIMATORS.pop(name, None)
+        if name in alg.ADVANTAGE_ESTIMATORS:
+            alg.ADVANTAGE_ESTIMATORS.unregister(name)
     with pytest.raises(KeyError, match="no_such_estimator.*grpo"):
         alg.advantage_estimator("no_such_estimator")
     assert set(alg.advantage_estimator_names()) >= {"grpo", "rloo", "reinforce++", "gae"}
@@ -522,7 +523,8 @@ def test_policy_loss_defaults_and_registry():
         alg.register_policy_loss(name, scaled, params={"scale": 5.0}, replace=True)
         assert alg.policy_loss(name).params == {"scale": 5.0}
     finally:
-        alg._POLICY_LOSSES.pop(name, None)
+        if name in alg.POLICY_LOSSES:
+            alg.unregister_policy_loss(name)
     assert name not in alg.policy_loss_names()
 
 

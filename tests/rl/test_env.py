@@ -4,6 +4,7 @@ Expected values are worked out by hand in the comments, not taken from the code'
 """
 
 import math
+import subprocess
 import sys
 import textwrap
 import threading
@@ -30,11 +31,11 @@ PROMPT = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture
-def registry(monkeypatch):
-    """A private copy of the registry (built-ins loaded first), so tests can register freely."""
-    import tx.rl.envs  # noqa: F401
-
-    monkeypatch.setattr(env_mod, "_REGISTRY", dict(env_mod._REGISTRY))
+def registry():
+    """The registry as it was before the test is put back after it, so tests can register freely."""
+    saved = env_mod.ENVS.snapshot()
+    yield
+    env_mod.ENVS.restore(saved)
 
 
 class Echo(Env):
@@ -147,18 +148,11 @@ def test_make_unknown_lists_registered(registry):
     assert "no_such_env" in message and "gsm8k" in message and "guess" in message and "letters" in message
 
 
-def test_make_env_loads_builtins_lazily(monkeypatch):
-    # Start from an empty registry and no imported built-ins: make_env must import them itself.
-    # monkeypatch puts the original modules (and the tx.rl.envs attribute) back afterwards.
-    import tx.rl
-    import tx.rl.envs
-
-    monkeypatch.setattr(env_mod, "_REGISTRY", {})
-    monkeypatch.delattr(tx.rl, "envs")
-    for name in [m for m in sys.modules if m == "tx.rl.envs" or m.startswith("tx.rl.envs.")]:
-        monkeypatch.delitem(sys.modules, name)
-    assert type(make_env("gsm8k")).__name__ == "GSM8kEnv"
-    assert set(env_mod._REGISTRY) == {"gsm8k", "guess", "letters"}
+def test_make_env_has_the_builtins_without_importing_them():
+    # a fresh interpreter that imports only tx.rl.env: the built-in envs are registered by that import
+    code = "from tx.rl.env import make_env, env_names; print(type(make_env('gsm8k')).__name__, env_names())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split(" ", 1) == ["GSM8kEnv", "('gsm8k', 'guess', 'letters')\n"], out
 
 
 def test_import_env_modules_user_module(registry, tmp_path, monkeypatch):

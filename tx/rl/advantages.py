@@ -10,6 +10,7 @@ from typing import Callable, Literal
 
 import numpy as np
 
+from tx.registry import Registry
 from tx.rl.arrays import (
     check_bt,
     f32,
@@ -38,7 +39,7 @@ AdvantageFn = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, E
                        tuple[np.ndarray, np.ndarray]]
 """fn(token_rewards_bt, response_mask_bt, group_b, values_bt | None, params) -> (advantages_bt, returns_bt)"""
 
-_ESTIMATORS: dict[str, AdvantageFn] = {}
+ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage_estimator", strict=True)
 
 
 def register_advantage_estimator(name: str, fn: AdvantageFn | None = None, *, replace: bool = False):
@@ -47,22 +48,17 @@ def register_advantage_estimator(name: str, fn: AdvantageFn | None = None, *, re
     `replace=True`."""
 
     def add(f: AdvantageFn) -> AdvantageFn:
-        if name in _ESTIMATORS and not replace:
-            raise ValueError(f"advantage estimator {name!r} is already registered (pass replace=True to override)")
-        _ESTIMATORS[name] = f
-        return f
+        return ADVANTAGE_ESTIMATORS.register(name, f, replace=replace)
 
     return add(fn) if fn is not None else add
 
 
 def advantage_estimator(name: str) -> AdvantageFn:
-    if name not in _ESTIMATORS:
-        raise KeyError(f"unknown advantage_estimator {name!r}; registered: {', '.join(sorted(_ESTIMATORS))}")
-    return _ESTIMATORS[name]
+    return ADVANTAGE_ESTIMATORS.get(name)
 
 
 def advantage_estimator_names() -> tuple[str, ...]:
-    return tuple(sorted(_ESTIMATORS))
+    return tuple(ADVANTAGE_ESTIMATORS.names())
 
 
 def compute_advantages(name: str, token_rewards_bt, response_mask_bt, group_b, values_bt=None,

@@ -23,17 +23,17 @@ recompute them). Registries (advantage estimators, policy losses) are per proces
 module every host imports.
 """
 
-from tx.rl.advantages import (_ESTIMATORS, AdvantageFn, EstimatorParams, KLController,  # noqa: F401
+from tx.rl.advantages import (ADVANTAGE_ESTIMATORS, AdvantageFn, EstimatorParams, KLController,  # noqa: F401
                               advantage_estimator, advantage_estimator_names, apply_kl_in_reward,
                               batch_normalize_advantages, compute_advantages, dynamic_sampling_filter,
                               register_advantage_estimator, zero_variance_mask)
-from tx.rl.policy_losses import (_POLICY_LOSSES, KL_ESTIMATORS, POLICY_LOSS_INPUT_KEYS,  # noqa: F401
+from tx.rl.policy_losses import (KL_ESTIMATORS, POLICY_LOSSES, POLICY_LOSS_INPUT_KEYS,  # noqa: F401
                                  POLICY_LOSS_PARAM_CHOICES, POLICY_LOSS_PARAM_FIELDS,
                                  POLICY_LOSSES_WITHOUT_OLD_LOGPROBS, PolicyLossFn, PolicyLossSpec,
                                  check_policy_loss_config, cispo_metrics, clip_fraction, kl_estimate,
                                  on_policy_loss_registered, policy_loss, policy_loss_names, policy_loss_param_value,
-                                 register_policy_loss, rollout_logprobs, select_cov_tokens, value_clip_fraction,
-                                 value_loss)
+                                 register_policy_loss, rollout_logprobs, select_cov_tokens,
+                                 unregister_policy_loss, value_clip_fraction, value_loss)
 from tx.rl.reductions import (LOSS_REDUCTIONS, REDUCTION_PLACEMENTS, OffPolicyCorrection,  # noqa: F401
                               apply_off_policy_correction, place_reduction, reduction_in_advantages,
                               reduction_scale, reduction_weights, sequence_mean_weights)
@@ -45,7 +45,7 @@ __all__ = [
     "PolicyLossFn", "PolicyLossSpec", "POLICY_LOSS_INPUT_KEYS", "POLICY_LOSS_PARAM_FIELDS",
     "POLICY_LOSS_PARAM_CHOICES", "POLICY_LOSSES_WITHOUT_OLD_LOGPROBS", "policy_loss_param_value",
     "rollout_logprobs", "check_policy_loss_config",
-    "register_policy_loss", "policy_loss", "policy_loss_names", "select_cov_tokens", "clip_fraction",
+    "register_policy_loss", "unregister_policy_loss", "policy_loss", "policy_loss_names", "select_cov_tokens", "clip_fraction",
     "cispo_metrics", "value_loss", "value_clip_fraction",
     "LOSS_REDUCTIONS", "REDUCTION_PLACEMENTS", "reduction_scale", "reduction_weights", "reduction_in_advantages",
     "place_reduction", "sequence_mean_weights",

@@ -92,7 +92,7 @@ def _objective(tlp, inputs, config):
             - config["entropy_loss_coef"] * inputs["entropy_weights"] * inputs["entropy"])
 
 
-def register_objective() -> None:
+def register_objective(*_changed: object) -> None:
     """(Re-)register "tx.rl" over the policy losses registered now (runs again on each `register_policy_loss`)."""
     defaults = {"policy_loss": policy_loss_id("regular"), "kl_estimator": float(KL_ORDER.index("k3")),
                 "kl_loss_coef": 0.0, "entropy_loss_coef": 0.0}

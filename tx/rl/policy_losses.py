@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tx.registry import Registry
 from tx.rl.arrays import check_bt, f64, masked_mean, safe_exp
 
 # ---------------------------------------------------------------------------------------------------
@@ -123,12 +124,13 @@ class PolicyLossSpec:
         return {**self.params, **(overrides or {})}
 
 
-_POLICY_LOSSES: dict[str, PolicyLossSpec] = {}
-_ON_POLICY_LOSS: list[Callable[[], None]] = []  # called after each registration (the device objective follows)
+POLICY_LOSSES: Registry[PolicyLossSpec] = Registry("policy_loss_type")
+_ON_CHANGE: list[Callable[[str, PolicyLossSpec | None], None]] = []  # the device objective follows the registry
 
 
-def on_policy_loss_registered(callback: Callable[[], None]) -> None:
-    _ON_POLICY_LOSS.append(callback)
+def on_policy_loss_registered(callback: Callable[[str, PolicyLossSpec | None], None]) -> None:
+    """Call `callback(name, spec)` after each (re-)registration and `callback(name, None)` after each removal."""
+    _ON_CHANGE.append(callback)
 
 
 def register_policy_loss(name: str, fn: PolicyLossFn | None = None, *, params: Mapping[str, float] | None = None,
@@ -138,24 +140,26 @@ def register_policy_loss(name: str, fn: PolicyLossFn | None = None, *, params: M
     Re-registering a name raises unless `replace=True`."""
 
     def add(f: PolicyLossFn) -> PolicyLossFn:
-        if name in _POLICY_LOSSES and not replace:
-            raise ValueError(f"policy loss {name!r} is already registered (pass replace=True to override)")
-        _POLICY_LOSSES[name] = PolicyLossSpec(name, f, dict(params or {}))
-        for callback in _ON_POLICY_LOSS:
-            callback()
+        spec = POLICY_LOSSES.register(name, PolicyLossSpec(name, f, dict(params or {})), replace=replace)
+        for callback in _ON_CHANGE:
+            callback(name, spec)
         return f
 
     return add(fn) if fn is not None else add
 
 
+def unregister_policy_loss(name: str) -> None:
+    POLICY_LOSSES.unregister(name)
+    for callback in _ON_CHANGE:
+        callback(name, None)
+
+
 def policy_loss(name: str) -> PolicyLossSpec:
-    if name not in _POLICY_LOSSES:
-        raise KeyError(f"unknown policy_loss_type {name!r}; registered: {', '.join(sorted(_POLICY_LOSSES))}")
-    return _POLICY_LOSSES[name]
+    return POLICY_LOSSES.get(name)
 
 
 def policy_loss_names() -> tuple[str, ...]:
-    return tuple(sorted(_POLICY_LOSSES))
+    return tuple(POLICY_LOSSES.names())
 
 
 def _jsafe_exp(d):

@@ -1,4 +1,4 @@
-"""Built-in environments; importing this package registers them (`tx.rl.env.make_env` does so itself).
+"""Built-in environments; importing this package registers them (`tx.rl.env` imports it).
 
 - `gsm8k`: grade-school math, reward 1 for the right final answer (the seed's default `env_class`).
 - `letters`: an offline toy reward a tiny random model can learn, for smoke tests and examples.

@@ -14,7 +14,7 @@ import numbers
 import re
 from typing import Any
 
-from tx.rl.env import Env, Message, StepOutput, register_env
+from tx.rl.envs.base import Env, Message, StepOutput, register_env
 
 # SkyRL's strict pattern, verbatim in meaning: an optional minus, then digits, dots and commas.
 _STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")

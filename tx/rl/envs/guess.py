@@ -12,7 +12,7 @@ import numbers
 import re
 from typing import Any
 
-from tx.rl.env import Env, Message, StepOutput, register_env
+from tx.rl.envs.base import Env, Message, StepOutput, register_env
 
 _INTEGER = re.compile(r"-?\d+")
 NO_NUMBER = "no number found; answer with a number"

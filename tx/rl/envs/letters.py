@@ -16,7 +16,7 @@ from __future__ import annotations
 import string
 from typing import Any
 
-from tx.rl.env import Env, Message, StepOutput, register_env
+from tx.rl.envs.base import Env, Message, StepOutput, register_env
 
 CHARSETS: dict[str, frozenset[str]] = {
     "letters": frozenset(string.ascii_letters + " "),
