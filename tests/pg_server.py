@@ -21,7 +21,7 @@ DB_NAME = "tx_test"
 
 
 class PostgresUnavailable(RuntimeError):
-    """No usable PostgreSQL binaries; tests should pytest.skip with str(exc)."""
+    """No usable PostgreSQL binaries; tests call tests.require.skip_or_fail(str(exc)) (a failure in CI)."""
 
 
 def _has_tools(d: Path) -> bool:
@@ -74,7 +74,7 @@ def postgres_server(tmp_dir: Path) -> Iterator[str]:
     if bin_dir is None:
         raise PostgresUnavailable(
             "PostgreSQL binaries not found (looked on PATH, in /usr/lib/postgresql/*/bin and the pgserver package); "
-            "install the `postgresql` apt package or `pip install pgserver`"
+            "install the `postgresql` apt package or `pip install pgserver` (in the dev extra)"
         )
     Path(tmp_dir).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="pg-", dir=tmp_dir))  # unique, so one tmp_dir can host several servers

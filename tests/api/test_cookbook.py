@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from tests.api.server_proc import API_KEY, Server
+from tests.require import require_module
 
-pytest.importorskip("tinker_cookbook")
+require_module("tinker_cookbook")
 pytestmark = pytest.mark.slow
 
 MODEL = "Qwen/Qwen3-8B"

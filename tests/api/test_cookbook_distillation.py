@@ -18,9 +18,10 @@ import sys
 import pytest
 
 from tests.api.server_proc import API_KEY, Server
+from tests.require import require_module
 from tx.models.tiny import TinySpec, write_tiny_model
 
-pytest.importorskip("tinker_cookbook")
+require_module("tinker_cookbook")
 pytestmark = pytest.mark.slow
 
 STUDENT, TEACHER = "Qwen/Qwen3-8B", "Qwen/Qwen3-4B"

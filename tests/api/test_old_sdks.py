@@ -4,8 +4,8 @@
 `proto_write_fwdbwd`, and `forward` as JSON to /api/v1/forward (tx/api/wire_json.py). 0.18 and older
 also need JSON forward_backward *results*, which tx does not produce. 0.28.1 is a middle version (always
 protobuf). .ci/run installs each into .ci/sdk/tinker-<version> (`pip install --target ... --no-deps`:
-their dependencies are those of the installed 0.38) and sets TX_REQUIRE_OLD_SDKS=1, so that in CI a
-missing directory fails instead of skipping.
+their dependencies are those of the installed 0.38) and sets TX_REQUIRE_ALL=1, so that in CI a
+missing directory fails instead of skipping (tests/require.py).
 
 Reference: the same flow with the installed SDK 0.38 on the same server (same seed, so the same initial
 adapter): losses, log-probs and greedy samples must agree to 1e-5.
@@ -26,6 +26,7 @@ import pytest
 import tinker
 
 from tests.api.server_proc import API_KEY, Server
+from tests.require import skip_or_fail
 
 pytestmark = pytest.mark.slow  # a server start and three SDK flows: ~20 s on a quiet 2-core machine
 
@@ -40,9 +41,7 @@ def sdk_dir(version: str) -> Path:
     if not (path / "tinker" / "__init__.py").exists():
         reason = (f"tinker {version} is not installed in {path}; .ci/run installs it "
                   f"(pip install --target {path} --no-deps tinker=={version})")
-        if os.environ.get("TX_REQUIRE_OLD_SDKS") == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
+        skip_or_fail(reason)
     return path
 
 

@@ -7,7 +7,9 @@ import importlib
 
 import pytest
 
-pytest.importorskip("tinker_cookbook")
+from tests.require import require_module
+
+require_module("tinker_cookbook")
 
 RECIPES = [
     "tinker_cookbook.recipes.math_rl.train",  # sympy, pylatexenc, math-verify (math_grading)

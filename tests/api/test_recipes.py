@@ -24,8 +24,9 @@ import pytest
 from tests.api.recipe_data import GSM8K, MODEL, recipe_env, write_run_dir
 from tests.api.sdk_flows import service
 from tests.api.server_proc import API_KEY, Server
+from tests.require import require_module
 
-pytest.importorskip("tinker_cookbook")
+require_module("tinker_cookbook")
 pytestmark = pytest.mark.slow
 
 SDFT_TOPK = 20

@@ -18,6 +18,7 @@ from tests.api import sdk_flows
 from tests.api.server_proc import API_KEY, Server
 from tests.distributed import test_multihost as multihost
 from tests.pg_server import PostgresUnavailable, postgres_server
+from tests.require import skip_or_fail
 
 pytestmark = pytest.mark.slow
 LIMITS = ("--max-body-bytes", str(8 << 20), "--max-decompressed-bytes", str(16 << 20), "--batch-window-s", "0.3")
@@ -202,7 +203,7 @@ def test_postgres_same_flow_and_restart(tmp_path):
         ctx = postgres_server(tmp_path)
         url = ctx.__enter__()
     except PostgresUnavailable as e:
-        pytest.skip(f"no PostgreSQL server can be started here: {e}")
+        skip_or_fail(f"no PostgreSQL server can be started here: {e}")
     try:
         srv = Server(tmp_path / "data", "--database-url", url)
         try:

@@ -23,10 +23,11 @@ from tinker import types as T
 from tests.api import sdk_flows
 from tests.api.server_proc import API_KEY, CLIENTS, Server
 from tests.helpers import hf_logprobs
+from tests.require import require_module
 from tx.api.weights_routes import UrlSigner
 
-weights = pytest.importorskip("tinker_cookbook.weights")
-peft = pytest.importorskip("peft")
+weights = require_module("tinker_cookbook.weights")
+peft = require_module("peft")
 pytestmark = pytest.mark.slow
 BOB = "tml-bob-weights-key"
 SIGNING_KEY = "weights-test-signing-key"

@@ -10,6 +10,7 @@ import pytest
 import sqlalchemy as sa
 
 from tests.pg_server import PostgresUnavailable, postgres_server
+from tests.require import skip_or_fail
 from tx.engine import store as store_mod
 from tx.engine.store import SCHEMA_VERSION, FutureRow, SchemaError, Store
 
@@ -34,7 +35,7 @@ def pg_server_url(tmp_path_factory):
         try:
             url = stack.enter_context(postgres_server(tmp_path_factory.mktemp("pg")))
         except PostgresUnavailable as e:
-            pytest.skip(str(e))
+            skip_or_fail(str(e))
         yield url
 
 

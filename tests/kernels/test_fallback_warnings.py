@@ -125,6 +125,7 @@ def test_cudnn_runs_blockwise_for_packed_rows_and_the_backend_says_so(caplog, fa
         "(cuDNN takes one right-padded sequence per row); running 'blockwise' instead"]
 
 
+# The off-TPU tests below skip on a TPU only (a hardware skip, not a missing prerequisite: CI runs them on CPU).
 def test_splash_off_tpu_warns_once(caplog):
     if jax.default_backend() == "tpu":
         pytest.skip("splash is compiled on TPU")

@@ -23,6 +23,7 @@ from tx.models.loading import load_model
 TOL = 1e-4
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 RANK, ALPHA = 16, 32
+# Deliberate opt-ins (not missing prerequisites, so not tests/require.py's skip_or_fail): they skip in CI too.
 LONG_4K = pytest.mark.skipif(
     os.environ.get("TX_LONG_PARITY") != "1", reason="4k tokens: ~2 min and ~7 GB on CPU; TX_LONG_PARITY=1"
 )
