@@ -38,7 +38,7 @@ from tx import ranks
 from tx.version import __version__
 from tx.checkpoints import storage
 from tx.checkpoints.training import CheckpointError, _flatten, base_signature, read_metadata
-from tx.export import SIDE_FILES, copy_files
+from tx.checkpoints.hf_files import SIDE_FILES, copy_files
 from tx.models.config import ModelConfig
 from tx.models.layers.lora import LoraA, LoraB
 from tx.models.safetensors_io import write_streaming
