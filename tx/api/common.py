@@ -1,4 +1,5 @@
-"""What the API modules share: the HTTP error type, tenants, listing bounds and small JSON helpers."""
+"""What the API modules share: the HTTP error type, tenants, listing bounds, checkpoint keys and small JSON
+helpers."""
 
 from __future__ import annotations
 
@@ -8,8 +9,13 @@ import json
 from dataclasses import dataclass
 
 from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from tx.engine import paths
 
 MAX_LIMIT = 1000
+
+io = run_in_threadpool  # store and engine calls block: routes run them in a worker thread, off the event loop
 
 
 class ApiError(Exception):
@@ -69,6 +75,11 @@ def page(limit: int, offset: int) -> tuple[int, int]:
     if offset < 0:
         raise ApiError(400, f"offset {offset} must be >= 0")
     return limit, offset
+
+
+def checkpoint_key(run_id: str, kind: str, name: str) -> tuple[str, str, str]:
+    """The store key (model_id, kind, name) of a checkpoint named in a REST path, checked like a tinker path."""
+    return paths.parse_tinker_path(paths.tinker_path(run_id, kind, name), "checkpoint")
 
 
 def iso(ts: float | None) -> str | None:

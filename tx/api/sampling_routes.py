@@ -12,22 +12,16 @@ value) and again by the backend (tx.sampling.requests.check_options), which comp
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any
-
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from pydantic import ValidationError
-from starlette.concurrency import run_in_threadpool
 
 from tx import types
 from tx.api import schemas
-from tx.api.common import ApiError, Tenant, owned, tenant
+from tx.api.common import ApiError, io, owned, tenant
 from tx.api.config import ServedModel
-from tx.api.served import ServedModels
+from tx.api.context import ApiContext
 from tx.engine import paths
-from tx.engine.engine import Engine
 from tx.engine.ops import SampleRequest
-from tx.engine.store import Store
 from tx.sampling.requests import SampleLimits, check_options
 
 UNBOUNDED = 2**31 - 1  # a limit this API does not know (ServedModel field 0): the backend checks it
@@ -65,19 +59,17 @@ def sample_options(body: schemas.Sample, prompt_len: int, served: ServedModel) -
     return options
 
 
-def add_sampling_routes(app: FastAPI, engine: Engine, store: Store, models: ServedModels,
-                        parse: Callable[[Request, type], Awaitable[Any]],
-                        active_session: Callable[[str, Tenant], Awaitable[dict]],
-                        checkpoint_location: Callable[..., str],
-                        checkpoint_base: Callable[[str, str], ServedModel]) -> None:
-    """Requests run on the base model they name, or the one their checkpoint was trained on (`models`)."""
-    io = run_in_threadpool
+def router(ctx: ApiContext) -> APIRouter:
+    """Requests run on the base model they name, or the one their checkpoint was trained on (`ctx.models`)."""
+    engine, store, models = ctx.engine, ctx.store, ctx.models
+    checkpoint_location, checkpoint_base = ctx.checkpoint_location, ctx.checkpoint_base
+    routes = APIRouter()
 
-    @app.post("/api/v1/create_sampling_session")
+    @routes.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request):
-        body = await parse(request, schemas.CreateSamplingSession)
+        body = await ctx.parse(request, schemas.CreateSamplingSession)
         who = tenant(request)
-        await active_session(body.session_id, who)
+        await ctx.active_session(body.session_id, who)
         if body.model_path is None and body.base_model is None:
             raise ApiError(400, "create_sampling_session needs model_path or base_model")
         base = models.find(body.base_model)
@@ -90,15 +82,15 @@ def add_sampling_routes(app: FastAPI, engine: Engine, store: Store, models: Serv
         await io(store.add_sampling_session, sid, body.session_id, base.model_name, body.model_path, location)
         return {"sampling_session_id": sid, "type": "create_sampling_session"}
 
-    @app.get("/api/v1/samplers/{sampling_session_id}")
+    @routes.get("/api/v1/samplers/{sampling_session_id}")
     async def get_sampler(sampling_session_id: str, request: Request):
         row = owned(await io(store.sampling_session, sampling_session_id), tenant(request),
                     f"sampler {sampling_session_id!r}")
         return {"sampler_id": sampling_session_id, "base_model": row["base_model"], "model_path": row["model_path"]}
 
-    @app.post("/api/v1/asample")
+    @routes.post("/api/v1/asample")
     async def asample(request: Request):
-        body = await parse(request, schemas.Sample)
+        body = await ctx.parse(request, schemas.Sample)
         who = tenant(request)
         if body.sampling_session_id is not None:
             row = owned(await io(store.sampling_session, body.sampling_session_id), who,
@@ -140,6 +132,8 @@ def add_sampling_routes(app: FastAPI, engine: Engine, store: Store, models: Serv
         request_id = await io(engine.submit, "sample", sample, key, None, None, None, body.num_samples,
                               owner=who.id)
         return {"request_id": request_id, "sample_sequence_ids": sequence_ids(request_id, body.num_samples)}
+
+    return routes
 
 
 def sequence_ids(request_id: str, num_samples: int) -> list[str]:

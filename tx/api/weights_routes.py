@@ -21,18 +21,15 @@ import time
 import uuid
 from urllib.parse import quote, urlencode
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, RedirectResponse
-from starlette.concurrency import run_in_threadpool
 
 from tx.api import schemas
-from tx.api.common import ApiError, Tenant, found, iso, owned, readable, tenant
-from tx.api.config import ApiConfig
+from tx.api.common import ApiError, Tenant, checkpoint_key, found, io, iso, owned, readable, tenant
+from tx.api.context import ApiContext
 from tx.checkpoints import external, storage
 from tx.engine import paths, store_weights
-from tx.engine.engine import Engine
 from tx.engine.ops import SaveRequest, UserError
-from tx.engine.store import Store
 
 FILES_PREFIX = "/api/v1/weights_files/"
 EXTERNAL = "external_weights"
@@ -78,12 +75,10 @@ class UrlSigner:
         return public == "1"
 
 
-def add_weights_routes(app: FastAPI, store: Store, engine: Engine, config: ApiConfig, parse) -> None:
-    io = run_in_threadpool
+def router(ctx: ApiContext) -> APIRouter:
+    engine, store, config = ctx.engine, ctx.store, ctx.config
     signer = UrlSigner(config.url_signing_key)
-
-    def checkpoint_key(run_id: str, kind: str, name: str) -> tuple[str, str, str]:
-        return paths.parse_tinker_path(paths.tinker_path(run_id, kind, name), "checkpoint")
+    routes = APIRouter()
 
     # ---- downloads ----
 
@@ -104,7 +99,7 @@ def add_weights_routes(app: FastAPI, store: Store, engine: Engine, config: ApiCo
             urls = {rel: base + signer.path(run_id, name, rel, expires, via_public) for rel in files}
         return {"urls": urls, "expires": iso(expires)}
 
-    @app.get(f"/api/v1/training_runs/{{run_id}}/checkpoints/{EXTERNAL}/{{name}}/external_weights_urls")
+    @routes.get(f"/api/v1/training_runs/{{run_id}}/checkpoints/{EXTERNAL}/{{name}}/external_weights_urls")
     async def external_weights_urls(run_id: str, name: str, request: Request):
         return await io(signed_urls, run_id, name, tenant(request), str(request.base_url))
 
@@ -123,7 +118,7 @@ def add_weights_routes(app: FastAPI, store: Store, engine: Engine, config: ApiCo
             return RedirectResponse(path.as_url(presign=True, expire_seconds=300))
         return FileResponse(path, media_type="application/octet-stream", filename=path.name)
 
-    @app.get(FILES_PREFIX + "{model_id}/{name}/{file:path}")
+    @routes.get(FILES_PREFIX + "{model_id}/{name}/{file:path}")
     async def weights_file(model_id: str, name: str, file: str, expires: str = "", public: str = "0",
                            signature: str = ""):
         return await io(signed_file, model_id, name, file, expires, public, signature)
@@ -139,11 +134,11 @@ def add_weights_routes(app: FastAPI, store: Store, engine: Engine, config: ApiCo
             raise ApiError(409, f"{what} is already {'public' if public else 'private'}")
         return {}
 
-    @app.post("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
+    @routes.post("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
     async def publish(run_id: str, kind: str, name: str, request: Request):
         return await io(set_public, run_id, kind, name, tenant(request), True)
 
-    @app.delete("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
+    @routes.delete("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
     async def unpublish(run_id: str, kind: str, name: str, request: Request):
         return await io(set_public, run_id, kind, name, tenant(request), False)
 
@@ -196,9 +191,11 @@ def add_weights_routes(app: FastAPI, store: Store, engine: Engine, config: ApiCo
             return earlier_copy()  # a concurrent retry recorded it first (same files)
         return copied
 
-    @app.post("/api/v1/copy_weights")
+    @routes.post("/api/v1/copy_weights")
     async def copy_weights(request: Request):
-        body = await parse(request, schemas.CopyWeights)
+        body = await ctx.parse(request, schemas.CopyWeights)
         path = await io(copy, body, tenant(request), request.headers.get("x-idempotency-key"),
                         request.headers.get("x-tinker-weights-access-token"))  # where the SDK sends it
         return {"tinker_path": path}
+
+    return routes

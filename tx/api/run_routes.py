@@ -4,22 +4,21 @@ from __future__ import annotations
 
 import time
 
-from fastapi import FastAPI, Request
-from starlette.concurrency import run_in_threadpool
+from fastapi import APIRouter, Request
 
 from tx.api import schemas
-from tx.api.common import Tenant, found, iso, owned, page, readable, str_metadata, tenant
+from tx.api.common import Tenant, checkpoint_key, found, io, iso, owned, page, readable, str_metadata, tenant
+from tx.api.context import ApiContext
 from tx.engine import paths
-from tx.engine.engine import Engine
-from tx.engine.store import Store
 
 
-def add_run_routes(app: FastAPI, store: Store, engine: Engine, parse) -> None:
-    io = run_in_threadpool
+def router(ctx: ApiContext) -> APIRouter:
+    engine, store = ctx.engine, ctx.store
+    routes = APIRouter()
 
-    @app.post("/api/v1/weights_info")
+    @routes.post("/api/v1/weights_info")
     async def weights_info(request: Request):
-        body = await parse(request, schemas.WeightsInfo)
+        body = await ctx.parse(request, schemas.WeightsInfo)
         model_id, kind, name = paths.parse_tinker_path(body.tinker_path, "tinker_path")
         what = f"checkpoint {body.tinker_path}"
         readable(await io(store.checkpoint, model_id, kind, name), tenant(request), what)  # published: anyone's
@@ -49,33 +48,30 @@ def add_run_routes(app: FastAPI, store: Store, engine: Engine, parse) -> None:
     def run_or_404(run_id: str, who: Tenant) -> dict:
         return owned(store.model(run_id), who, f"training run {run_id!r}")
 
-    @app.get("/api/v1/training_runs")
+    @routes.get("/api/v1/training_runs")
     async def list_training_runs(request: Request, limit: int = 20, offset: int = 0):
         models, total = await io(store.list_models, *page(limit, offset), None, tenant(request).filter)
         runs = [await io(training_run_json, m) for m in models]
         return {"training_runs": runs, "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
-    @app.get("/api/v1/training_runs/{run_id}")
+    @routes.get("/api/v1/training_runs/{run_id}")
     async def get_training_run(run_id: str, request: Request):
         return await io(training_run_json, await io(run_or_404, run_id, tenant(request)))
 
-    @app.get("/api/v1/training_runs/{run_id}/checkpoints")
+    @routes.get("/api/v1/training_runs/{run_id}/checkpoints")
     async def list_run_checkpoints(run_id: str, request: Request):
         await io(run_or_404, run_id, tenant(request))
         rows, total = await io(store.list_checkpoints, run_id)
         return {"checkpoints": [checkpoint_json(r) for r in rows],
                 "cursor": {"offset": 0, "limit": len(rows), "total_count": total}}
 
-    @app.get("/api/v1/checkpoints")
+    @routes.get("/api/v1/checkpoints")
     async def list_all_checkpoints(request: Request, limit: int = 100, offset: int = 0):
         rows, total = await io(store.list_checkpoints, None, *page(limit, offset), tenant(request).filter)
         return {"checkpoints": [checkpoint_json(r) for r in rows],
                 "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
-    def checkpoint_key(run_id: str, kind: str, name: str) -> tuple[str, str, str]:
-        return paths.parse_tinker_path(paths.tinker_path(run_id, kind, name), "checkpoint")
-
-    @app.delete("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}")
+    @routes.delete("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}")
     async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request):
         key = checkpoint_key(run_id, kind, name)
         row = owned(await io(store.checkpoint, *key), tenant(request), f"checkpoint {kind}/{name} of {run_id}")
@@ -83,12 +79,14 @@ def add_run_routes(app: FastAPI, store: Store, engine: Engine, parse) -> None:
         await io(engine.delete_checkpoint_files, row["location"])
         return {}
 
-    @app.put("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl")
+    @routes.put("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl")
     async def set_ttl(run_id: str, kind: str, name: str, request: Request):
-        body = await parse(request, schemas.CheckpointTtl)
+        body = await ctx.parse(request, schemas.CheckpointTtl)
         key = checkpoint_key(run_id, kind, name)
         what = f"checkpoint {kind}/{name} of {run_id}"
         owned(await io(store.checkpoint, *key), tenant(request), what)
         expires = None if body.ttl_seconds is None else time.time() + body.ttl_seconds
         found(await io(store.set_checkpoint_expiry, *key, expires) or None, what)
         return {}
+
+    return routes

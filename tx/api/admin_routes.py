@@ -1,0 +1,58 @@
+"""Routes about the server itself: the health check, the SDK's client configuration and telemetry, the
+models served, and metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from tx.api.context import ApiContext
+from tx.runtime import compile_cache_stats
+
+
+def router(ctx: ApiContext) -> APIRouter:
+    engine, config = ctx.engine, ctx.config
+    routes = APIRouter()
+
+    @routes.get("/api/v1/healthz")
+    async def healthz():
+        return {"status": "ok"}
+
+    @routes.post("/api/v1/client/config")
+    async def client_config(request: Request):
+        await ctx.read_body(request)
+        # the SDK splits a forward_backward into requests of at most these sizes; at 4 bytes or more per
+        # token in its estimate, a request then holds at most max_request_tokens tokens
+        limits = {"fwdbwd_max_chunk_len": min(1024, engine.config.max_pass_datums),
+                  "fwdbwd_max_chunk_bytes_count": min(5_000_000, 4 * engine.config.max_request_tokens)}
+        # proto_write_fwdbwd / fwd_via_fwdbwd: SDKs 0.22-0.24 send protobuf forward(_backward) bodies only when told
+        return {**limits, "pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": config.compress_fwdbwd,
+                "proto_write_fwdbwd": True, "fwd_via_fwdbwd": True,
+                "sample_use_retrieve_futures": False, "custom_loss_server_side": False,
+                "sample_join_sampling_session": False}
+
+    @routes.post("/api/v1/client/dynamic_config")
+    async def dynamic_config(request: Request):
+        await ctx.read_body(request)
+        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+    @routes.post("/api/v1/telemetry")
+    async def telemetry(request: Request):
+        await ctx.read_body(request)  # accepted and dropped
+        return {"status": "accepted"}
+
+    @routes.get("/api/v1/get_server_capabilities")
+    async def capabilities():
+        return {"supported_models": [{"model_name": m.model_name, "max_context_length": m.max_context_length,
+                                      "trainable": True, "sampleable": True, "training_mode": m.training_mode}
+                                     for m in ctx.models.all]}
+
+    @routes.get("/api/v1/metrics")
+    async def metrics():
+        backend = engine.backend.metrics
+        return {"engine": dict(engine.metrics), "backend_compiles": backend.compiles, "backend_calls": backend.calls,
+                "backend_tokens_real": backend.tokens_real, "backend_tokens_padded": backend.tokens_padded,
+                "backend_sampling": backend.sampling,
+                "backend_calls_by_base_model": {name: b.metrics.calls for name, b in engine.backends.items()},
+                "compile_cache": compile_cache_stats()}
+
+    return routes
