@@ -10,6 +10,7 @@ import pytest
 
 from tests.rl.test_trainer import example
 from tx.rl import objective, update
+from tx.rl.prepare import prepare
 from tx.rl.trainer import RLTrainer
 
 
@@ -22,7 +23,7 @@ def test_rollout_is_with_prompt_mean_in_the_loss_or_in_the_advantages(tmp_path):
         hf_save_interval=-1))
     run = trainer.runs[0]
     episodes = trainer._collect({})["policy"]
-    prep, _ = update.prepare(run, episodes, None, None)
+    prep, _ = prepare(run, episodes, None, None)
     idx = np.arange(len(episodes))
     rng = np.random.default_rng(0)
     losses, datums_by = {}, {}

@@ -23,22 +23,20 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
+from typing import TYPE_CHECKING
 
-import yaml
 from pydantic import ValidationError
 
-from tx.sft.__main__ import apply_overrides
+from tx.training.overrides import load_values
 
-
-def load_config(path: str | None, overrides: list[str]):
+if TYPE_CHECKING:
     from tx.rl.config import RLConfig
 
-    values = yaml.safe_load(Path(path).read_text()) if path else {}
-    values = values or {}
-    if not isinstance(values, dict):
-        raise ValueError(f"{path}: expected a mapping of config fields, got {type(values).__name__}")
-    apply_overrides(values, overrides)
+
+def load_config(path: str | None, overrides: list[str]) -> RLConfig:
+    from tx.rl.config import RLConfig
+
+    values, _ = load_values(path, overrides)
     imports = (values.get("environment") or {}).get("imports") or []
     if imports:  # user policy losses / estimators must be registered before the config names them
         from tx.rl.env import import_env_modules

@@ -17,15 +17,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from tx.rl.algorithms import OffPolicyCorrection
-from tx.sft.seed_config import OptimizerConfig, SkyRLLoraConfig
 from tx.training.mesh import MeshFields
-
-
-class _Seed(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+from tx.training.overrides import deep_merge
+from tx.training.seed_config import OptimizerConfig, SeedModel, SkyRLLoraConfig
 
 
 # dotted path -> why tx refuses it (the field only makes sense for a Ray / PyTorch / vLLM deployment)
@@ -69,17 +66,17 @@ NOT_APPLICABLE = {
 }
 
 
-class ModelConfig(_Seed):
+class ModelConfig(SeedModel):
     path: str | None = Field("Qwen/Qwen2.5-1.5B-Instruct", description="HF directory or hub id; 'tiny' = built-in")
     lora: SkyRLLoraConfig = SkyRLLoraConfig()
 
 
-class PolicyConfig(_Seed):
+class PolicyConfig(SeedModel):
     model: ModelConfig = ModelConfig()
     optimizer_config: OptimizerConfig = OptimizerConfig()
 
 
-class CriticConfig(_Seed):
+class CriticConfig(SeedModel):
     """`gae`'s critic: in tx a LoRA adapter with a scalar value head on the policy's base model (path None or
     the policy's path), trained beside the policy in the same program."""
 
@@ -90,35 +87,35 @@ class CriticConfig(_Seed):
     optimizer_config: OptimizerConfig = OptimizerConfig(lr=5e-6)
 
 
-class KLCtrlConfig(_Seed):
+class KLCtrlConfig(SeedModel):
     type: Literal["fixed", "adaptive"] = "fixed"
     kl_target: float = Field(0.1, gt=0)
     horizon: int = Field(10000, gt=0)
 
 
-class SAPOConfig(_Seed):
+class SAPOConfig(SeedModel):
     tau_pos: float = Field(1.0, gt=0)
     tau_neg: float = Field(1.05, gt=0)
 
 
-class DynamicSamplingConfig(_Seed):
+class DynamicSamplingConfig(SeedModel):
     type: Literal["filter", "replace"] | None = None
     max_sample_batches: int = 30
     min_replace_ratio: float = Field(0.3, ge=0, le=1)
 
 
-class ClipCovConfig(_Seed):
+class ClipCovConfig(SeedModel):
     clip_ratio: float = Field(0.0002, ge=0, le=1)
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
 
 
-class KLCovConfig(_Seed):
+class KLCovConfig(SeedModel):
     kl_cov_frac: float = Field(0.2, ge=0, le=1)
     ppo_kl_coef: float = 1.0
 
 
-class CISPOConfig(_Seed):
+class CISPOConfig(SeedModel):
     """The seed's defaults (0, 5): the IS weight is clipped to [1, 6]. SkyRL 0.4.0 changed them to (1.0, 4.0), i.e.
     [0, 5] (ScaleRL's bounds); set those to match it."""
 
@@ -129,7 +126,7 @@ class CISPOConfig(_Seed):
         "('rollout': itself an off-policy correction, so off_policy_correction.tis_ratio_type must be None)")
 
 
-class DPPOConfig(_Seed):
+class DPPOConfig(SeedModel):
     """SkyRL 0.4.0's `dppo` policy loss: -ratio * A, the token dropped where the policy moved too far from the
     sampler in the advantage's direction (total variation or binary KL of the token's probability)."""
 
@@ -138,7 +135,7 @@ class DPPOConfig(_Seed):
     delta_high: float = Field(0.2, ge=0)
 
 
-class AlgorithmConfig(_Seed):
+class AlgorithmConfig(SeedModel):
     advantage_estimator: str = "grpo"
     kl_ctrl: KLCtrlConfig = KLCtrlConfig()
     kl_estimator_type: Literal["k1", "k2", "k3", "abs"] = "k3"
@@ -201,7 +198,7 @@ class AlgorithmConfig(_Seed):
         return c
 
 
-class TrainerConfig(_Seed):
+class TrainerConfig(SeedModel):
     policy: PolicyConfig = PolicyConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     critic: CriticConfig = CriticConfig()
@@ -233,7 +230,7 @@ class TrainerConfig(_Seed):
     dump_eval_results: bool = True
 
 
-class SamplingParams(_Seed):
+class SamplingParams(SeedModel):
     max_generate_length: int = Field(1024, ge=1)
     repetition_penalty: float = Field(1.0, gt=0)
     temperature: float = Field(1.0, ge=0)
@@ -245,7 +242,7 @@ class SamplingParams(_Seed):
     additional_kwargs: dict[str, Any] | None = None
 
 
-class GeneratorConfig(_Seed):
+class GeneratorConfig(SeedModel):
     n_samples_per_prompt: int = Field(5, ge=1)
     max_turns: int = Field(1, ge=1)
     max_input_length: int | None = Field(None, ge=1)
@@ -257,19 +254,19 @@ class GeneratorConfig(_Seed):
     apply_overlong_filtering: bool = False
 
 
-class EnvironmentConfig(_Seed):
+class EnvironmentConfig(SeedModel):
     env_class: str = "gsm8k"
     imports: list[str] = Field([], description="tx: modules that register user envs / policy losses / "
                                "advantage estimators (imported on every host)")
     skyrl_gym: dict[str, Any] = Field({}, description="max_env_workers, and per-env config by env class name")
 
 
-class DataConfig(_Seed):
+class DataConfig(SeedModel):
     train_data: list[str] = ["~/data/gsm8k/train.parquet"]
     val_data: list[str] = ["~/data/gsm8k/validation.parquet"]
 
 
-class TxSettings(MeshFields, _Seed):
+class TxSettings(MeshFields, SeedModel):
     """Settings the seed has no name for (also the mesh: `fsdp_size`, `ep_size`, `tp_size`; default every device)."""
 
     MESH_PREFIX: ClassVar[str] = "tx."
@@ -291,14 +288,14 @@ RUN_FIELDS = ("trainer.seed", "trainer.policy.optimizer_config", "trainer.policy
               "trainer.critic.model.lora.rank", "trainer.critic.model.lora.alpha")
 
 
-class RunConfig(_Seed):
+class RunConfig(SeedModel):
     """One experiment of a multi-run job: its own adapter, optimizer, metrics, checkpoints and exports."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="model id, metric prefix and directory name")
     trainer: dict[str, Any] = Field({}, description=f"overrides of the job's trainer fields, among {RUN_FIELDS}")
 
 
-class RLConfig(_Seed):
+class RLConfig(SeedModel):
     data: DataConfig = DataConfig()
     trainer: TrainerConfig = TrainerConfig()
     generator: GeneratorConfig = GeneratorConfig()
@@ -318,7 +315,7 @@ class RLConfig(_Seed):
                 if not any(path == f or path.startswith(f + ".") for f in RUN_FIELDS):
                     raise ValueError(f"runs[{run.name!r}].{path}: a run may only set {', '.join(RUN_FIELDS)}; "
                                      "the rest is shared by every run of the job")
-            out[run.name] = RLConfig.model_validate({**base, "trainer": _merge(base.get("trainer", {}), run.trainer)})
+            out[run.name] = RLConfig.model_validate({**base, "trainer": deep_merge(base.get("trainer", {}), run.trainer)})
         return out
 
     @model_validator(mode="before")
@@ -420,11 +417,4 @@ def _paths(values: dict, prefix: str) -> list[str]:
     out = []
     for key, value in values.items():
         out += _paths(value, f"{prefix}{key}.") if isinstance(value, dict) and value else [f"{prefix}{key}"]
-    return out
-
-
-def _merge(base: dict, extra: dict) -> dict:
-    out = dict(base)
-    for key, value in extra.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out

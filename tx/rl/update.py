@@ -1,99 +1,18 @@
-"""One RL update's host side, per run: the run itself (`Run`: its config, loss parameters, KL controller and
-off-policy correction), its batch prepared for training (rewards and filters, KL in the reward, advantages and
-returns, off-policy correction: `prepare`), its mini-batches as datums of the "tx.rl" objective with the loss
-reduction placed in the weights or the advantages (`minibatch`), and the metrics of a mini-batch's pass
-(`loss_metrics`). The trainer (`tx.rl.trainer`) calls these between its device calls."""
+"""The policy update's host side, per run: its mini-batches as datums of the "tx.rl" objective with the loss
+reduction placed in the weights or the advantages (`minibatch`), the metrics of a mini-batch's pass
+(`loss_metrics`), and both as the run's `Learner` for the mini-batch loop (`tx.rl.learner`). The batch they read
+is `tx.rl.prepare`'s."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import numpy as np
 
-from tx.rl import algorithms, critic, objective
-from tx.rl.batch import datum, per_target, response_arrays
-from tx.rl.config import RLConfig
+from tx.rl import algorithms, objective
+from tx.rl.batch import datum, from_targets, per_target
+from tx.rl.learner import Learner
+from tx.rl.policy import PassResult
 from tx.rl.rollout import Trajectory
-
-
-@dataclass
-class Run:
-    """One RL experiment of the job: its adapter (model id = name), its effective config and algorithm state."""
-
-    name: str
-    cfg: RLConfig
-    loss_params: dict[str, float]
-    kl_ctrl: algorithms.KLController
-    correction: algorithms.OffPolicyCorrection
-
-    @property
-    def critic(self) -> str | None:
-        """The model id of its critic (`gae` runs), else None."""
-        return critic.critic_id(self.name) if self.cfg.trainer.algorithm.advantage_estimator == "gae" else None
-
-    @classmethod
-    def build(cls, name: str, cfg: RLConfig) -> Run:
-        a = cfg.trainer.algorithm
-        return cls(name, cfg, a.policy_loss_params(),
-                   algorithms.KLController(a.kl_ctrl.type, a.kl_loss_coef, a.kl_ctrl.kl_target, a.kl_ctrl.horizon),
-                   a.correction())
-
-
-def recomputes_old(run: Run, full: bool) -> bool:
-    """Whether `run`'s old log-probs come from a forward of its weights rather than from the sampler: at a
-    training temperature (the sampler's are untempered), in full training (bf16 weights: the decode loop and the
-    training pass round differently), and whenever the off-policy correction is on (its ratio old / rollout
-    is what it corrects; with old = rollout it would be 1 and never act)."""
-    return run.cfg.trainer.algorithm.temperature != 1.0 or full or run.correction.enabled
-
-
-def prepare(run: Run, trajectories: list[Trajectory], ref: np.ndarray | None, values: np.ndarray | None,
-            old: np.ndarray | None = None) -> tuple[dict, dict]:
-    """Rewards, filters, KL in reward, advantages (and returns, with a critic's `values`) and off-policy
-    correction of one run's batch. `old`: the recomputed old log-probs (`recomputes_old`), else None: the
-    sampler's. The correction's ratio is exp(old - rollout), rollout = the sampler's log-probs."""
-    g, a = run.cfg.generator, run.cfg.trainer.algorithm
-    arrays = response_arrays(trajectories)
-    metrics: dict[str, Any] = {}
-    stopped = np.array([tr.stop_reason == "stop" for tr in trajectories])
-    if g.zero_reward_on_non_stop:
-        arrays["rewards"][~stopped] = 0.0
-    if g.apply_overlong_filtering:
-        arrays["mask"][~stopped] = 0.0
-    group_b = np.array([tr.group for tr in trajectories])
-    if a.zero_variance_filter:
-        keep = algorithms.zero_variance_mask(arrays["rewards"].sum(1), group_b)
-        arrays["mask"][~keep] = 0.0
-        metrics["filtered_zero_variance_rows"] = int((~keep).sum())
-    ref = np.zeros_like(arrays["logprobs"]) if ref is None else ref
-    rollout_lp = arrays["logprobs"]  # the sampler's log-probs of the tokens it chose
-    if old is None:
-        old = rollout_lp  # forward's log-probs under the weights that sampled
-    if a.use_kl_in_reward:
-        kl_bt = np.asarray(algorithms.kl_estimate(a.kl_estimator_type, old, ref)) * arrays["mask"]
-        arrays["rewards"], current = algorithms.apply_kl_in_reward(arrays["rewards"], kl_bt, arrays["mask"],
-                                                                   run.kl_ctrl.value)
-        metrics |= {"loss/avg_kl": current, "loss/kl_loss_coef": run.kl_ctrl.value}
-        run.kl_ctrl.update(current, len(trajectories))
-    advantages, returns = algorithms.compute_advantages(
-        a.advantage_estimator, arrays["rewards"], arrays["response"], group_b, values_bt=values,
-        params=algorithms.EstimatorParams(gamma=a.gamma, lambd=a.lambd, grpo_norm_by_std=a.grpo_norm_by_std))
-    if a.advantage_batch_normalize:
-        advantages = algorithms.batch_normalize_advantages(advantages, arrays["mask"])
-    tis, mask, correction = algorithms.apply_off_policy_correction(run.correction, old, rollout_lp, arrays["mask"])
-    metrics |= {f"policy/{k}": v for k, v in correction.items()}
-    metrics["loss/avg_raw_advantages"] = float((advantages * mask).sum() / max(mask.sum(), 1))
-    if a.use_kl_loss or a.use_kl_in_reward:
-        kl = np.asarray(algorithms.kl_estimate(a.kl_estimator_type, old, ref), np.float64)
-        metrics["policy/policy_kl"] = float((kl * algorithms.sequence_mean_weights(mask)).sum())
-    prep = {"advantages": advantages, "old": old, "rollout": rollout_lp, "ref": ref, "mask": mask, "tis": tis,
-            "loss_mask": arrays["mask"], "group": group_b}
-    if values is not None:
-        prep |= {"values": values, "returns": returns}
-        metrics |= {"critic/values_mean": float((values * mask).sum() / max(mask.sum(), 1)),
-                    "critic/returns_mean": float((returns * mask).sum() / max(mask.sum(), 1))}
-    return prep, metrics
+from tx.rl.runs import Run
 
 
 def minibatch(run: Run, trajectories: list[Trajectory], prep: dict, idx: np.ndarray, rng: np.random.Generator
@@ -155,3 +74,19 @@ def loss_metrics(run: Run, prep: dict, idx: np.ndarray, current: np.ndarray, ent
         out |= {f"policy/{k}": v for k, v in cispo.items() if k != "clip_ratio"}
     out["policy/policy_entropy"] = float((entropy * m).sum() / max(m.sum(), 1))
     return out
+
+
+def learner(run: Run, trajectories: list[Trajectory], prep: dict, rng: np.random.Generator) -> Learner:
+    """`run`'s policy in the mini-batch loop: its `minibatch` requests, and per mini-batch the loss metrics of the
+    log-probs and entropy the pass returned, the loss, gradient norm and learning rate."""
+    width = prep["mask"].shape[1]
+
+    def metrics(idx: np.ndarray, result: PassResult, lr: float, grad_norm: float) -> dict[str, float]:
+        rows = [trajectories[i] for i in idx]
+        current = from_targets(rows, [o["logprobs"] for o in result.outputs], width)
+        entropy = from_targets(rows, [o["entropy"] for o in result.outputs], width)
+        return loss_metrics(run, prep, idx, current, entropy) | {
+            "policy/policy_loss": result.loss_sum, "policy/grad_norm": grad_norm, "policy/policy_lr": lr}
+
+    return Learner(run.name, run.cfg.trainer.policy.optimizer_config,
+                   lambda idx: minibatch(run, trajectories, prep, idx, rng), metrics)

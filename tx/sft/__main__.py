@@ -26,42 +26,17 @@ import argparse
 import logging
 import sys
 import warnings
-from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import ValidationError
 
 from tx.sft.config import SFTConfig
 from tx.sft.seed_config import SeedFieldIgnored, detect_format, from_seed
-
-
-def apply_overrides(values: dict, overrides: list[str]) -> set[str]:
-    """Set each dotted `key=value` in `values`; returns the top-level keys overridden."""
-    top = set()
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"override {item!r} must look like key=value")
-        if key.startswith("+"):
-            raise ValueError(f"override {item!r}: the '+' prefix is not supported (every field already exists)")
-        node = values
-        *parents, leaf = key.split(".")
-        for depth, p in enumerate(parents):
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"override {item!r}: {'.'.join(parents[:depth + 1])} is not a section")
-        node[leaf] = yaml.safe_load(raw)
-        top.add(key.split(".")[0])
-    return top
+from tx.training.overrides import load_values
 
 
 def load_config(path: str | None, overrides: list[str], fmt: Literal["auto", "tx", "seed"] = "auto") -> SFTConfig:
-    values = yaml.safe_load(Path(path).read_text()) if path else {}
-    values = values or {}
-    if not isinstance(values, dict):
-        raise ValueError(f"{path}: expected a mapping of config fields, got {type(values).__name__}")
-    top = apply_overrides(values, overrides)
+    values, top = load_values(path, overrides)
     if fmt == "auto":
         fmt = detect_format(values)
     return from_seed(values, top) if fmt == "seed" else SFTConfig.model_validate(values)

@@ -19,63 +19,35 @@ import os
 import warnings
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 
 from tx.sft.config import SFTConfig
+from tx.training.overrides import deep_merge
+# the sections tx.rl's config shares; tx.sft.seed_config.OptimizerConfig etc. stay importable
+from tx.training.seed_config import OptimizerConfig, SeedModel, SkyRLLoraConfig, lora_targets
 
 
 class SeedFieldIgnored(UserWarning):
     """A seed config value tx reads differently from SkyRL (e.g. resume_from='latest' without a ckpt_path)."""
 
 
-class _Seed(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())  # SkyRL has a field model_config_kwargs
-
-
-class SkyRLLoraConfig(_Seed):
-    rank: int = Field(0, ge=0, description="LoRA rank; 0 = full training")
-    alpha: float = Field(16, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    lora_sync_path: str = "/tmp/skyrl_lora_sync"
-    target_modules: str | list[str] = "all-linear"
-    exclude_modules: str | list[str] | None = None
-    init_method: str = "kaiming"
-
-
-class ModelConfig(_Seed):
+class ModelConfig(SeedModel):
     path: str | None = "Qwen/Qwen3-0.6B"
     lora: SkyRLLoraConfig = SkyRLLoraConfig()
 
 
-class OptimizerConfig(_Seed):
-    lr: float = Field(1e-6, ge=0)
-    adam_betas: list[float] = Field([0.9, 0.999], min_length=2, max_length=2)
-    weight_decay: float = Field(0.01, ge=0)
-    max_grad_norm: float = Field(1.0, ge=0)
-    offload_after_step: bool = True
-    num_warmup_steps: int = Field(0, ge=0)
-    scheduler: Literal["constant_with_warmup", "cosine", "linear"] = "constant_with_warmup"
-
-    @field_validator("adam_betas")
-    @classmethod
-    def _betas(cls, v: list[float]) -> list[float]:
-        if not all(0 <= b < 1 for b in v):
-            raise ValueError(f"each beta must be in [0, 1), got {v}")
-        return v
-
-
-class SFTPlacementConfig(_Seed):
+class SFTPlacementConfig(SeedModel):
     num_nodes: int = 1
     num_gpus_per_node: int = 4
 
 
-class MixedPrecisionConfig(_Seed):
+class MixedPrecisionConfig(SeedModel):
     param_dtype: str = "bf16"
     reduce_dtype: str = "fp32"
     buffer_dtype: str = "fp32"
 
 
-class FSDPConfig(_Seed):
+class FSDPConfig(SeedModel):
     cpu_offload: bool = False
     reshard_after_forward: bool | int = True
     fsdp_size: int = -1
@@ -87,7 +59,7 @@ def _default_cache_dir() -> str:
     return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tx", "tokenized_datasets")
 
 
-class SeedSFTConfig(_Seed):
+class SeedSFTConfig(SeedModel):
     """SkyRL's SFTConfig fields with SkyRL's defaults."""
 
     model: ModelConfig = ModelConfig()
@@ -163,45 +135,6 @@ NOT_APPLICABLE = {
     "optimizer_config.offload_after_step": "optimizer CPU offload between colocated Ray workers",
     "model.lora.lora_sync_path": "weight sync to vLLM; tx samples the arrays it trains",
 }
-ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
-UNEMBED = ("lm_head",)
-
-
-def _module_names(value: str | list[str] | None) -> list[str]:
-    if value is None:
-        return []
-    names = value.split(",") if isinstance(value, str) else value
-    return [n.strip() for n in names if n.strip()]
-
-
-def lora_targets(target_modules: str | list[str], exclude_modules: str | list[str] | None) -> dict[str, bool]:
-    """PEFT-style target names -> tx's train_attn / train_mlp / train_unembed (whole groups only)."""
-    names = _module_names(target_modules)
-    # PEFT's "all-linear" is every linear layer except the output layer
-    chosen = set(ATTN + MLP) if names == ["all-linear"] else set(names)
-    unknown = sorted(chosen - set(ATTN + MLP + UNEMBED))
-    if unknown:
-        raise ValueError(f"model.lora.target_modules: {unknown} are not module names tx can adapt; use 'all-linear' "
-                         f"or whole groups of {list(ATTN)}, {list(MLP)}, {list(UNEMBED)}")
-    excluded = set(_module_names(exclude_modules))
-    if excluded - set(ATTN + MLP + UNEMBED):
-        raise ValueError(f"model.lora.exclude_modules: {sorted(excluded - set(ATTN + MLP + UNEMBED))} are not module "
-                         "names tx knows")
-    chosen -= excluded
-    flags = {}
-    for flag, group in (("train_attn", ATTN), ("train_mlp", MLP), ("train_unembed", UNEMBED)):
-        picked = chosen & set(group)
-        if picked and picked != set(group):
-            raise ValueError(f"model.lora target_modules={target_modules!r} exclude_modules={exclude_modules!r} adapt "
-                             f"only {sorted(picked)} of {list(group)}: tx adapts these layers as one group")
-        flags[flag] = bool(picked)
-    if not any(flags.values()):
-        raise ValueError(f"model.lora: target_modules={target_modules!r} minus exclude_modules={exclude_modules!r} "
-                         "leaves no layer to adapt")
-    return flags
-
-
 def _set_paths(model: BaseModel, prefix: str = "") -> list[str]:
     """Dotted names of the fields the user wrote (not defaults), recursing into nested models and dicts."""
     out = []
@@ -250,13 +183,6 @@ def _check_honourable(s: SeedSFTConfig) -> None:
         raise ValueError("use_sequence_packing=True needs max_length (the bin capacity defaults to it)")
     if s.use_sample_packing is not None and "remove_microbatch_padding" in s.model_fields_set:
         raise ValueError("Specify only one of use_sample_packing (deprecated) and remove_microbatch_padding, not both.")
-
-
-def _deep_merge(base: dict, extra: dict) -> dict:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 def translate(s: SeedSFTConfig) -> dict[str, Any]:
@@ -321,7 +247,7 @@ def translate(s: SeedSFTConfig) -> dict[str, Any]:
     precision = s.fsdp_config.mixed_precision
     if lora.rank == 0 and precision is not None:
         native["mixed_precision"] = precision.model_dump()
-    return _deep_merge(native, s.tx)
+    return deep_merge(native, s.tx)
 
 
 def from_seed(values: dict[str, Any], override_keys: set[str] = frozenset()) -> SFTConfig:

@@ -9,15 +9,12 @@ with its own learning-rate schedule.
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 from tqdm import tqdm
 
 from tx import types
@@ -27,21 +24,11 @@ from tx.backends.full import backend_class
 from tx.backends.jax import JaxBackend
 from tx.checkpoints import peft_format
 from tx.checkpoints.full import export_hf_model
-from tx.sft.config import RunConfig, SFTConfig
+from tx.sft.config import SFTConfig
 from tx.sft.data import dummy_examples, load_examples, packed_rows
-
-LATEST = "latest_ckpt_global_step.txt"
-
-
-def learning_rate(run: RunConfig, cfg: SFTConfig, step: int, total: int) -> float:
-    opt = cfg.optimizer
-    if step < opt.warmup_steps:
-        return run.learning_rate * (step + 1) / opt.warmup_steps
-    if opt.scheduler == "constant_with_warmup":
-        return run.learning_rate
-    progress = (step - opt.warmup_steps) / max(1, total - opt.warmup_steps)
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if opt.scheduler == "cosine" else 1 - progress
-    return run.learning_rate * (opt.min_lr_ratio + (1 - opt.min_lr_ratio) * shape)
+from tx.training import step_dirs
+from tx.training.data import batch_indices
+from tx.training.schedule import learning_rate
 
 
 class SFTTrainer:
@@ -115,10 +102,8 @@ class SFTTrainer:
     def batch_indices(self, step: int, size: int | None = None) -> list[int]:
         """The examples of `step` in a dataset of `size` (default: the job's): a seeded permutation per epoch."""
         size = size or len(self.train)
-        per_epoch = math.ceil(size / self.cfg.batch_size)
-        epoch, within = divmod(step, per_epoch)
-        order = np.random.default_rng([self.cfg.seed, epoch]).permutation(size)
-        return order[within * self.cfg.batch_size : (within + 1) * self.cfg.batch_size].tolist()
+        return batch_indices(self.cfg.seed, step, size, self.cfg.batch_size,
+                             math.ceil(size / self.cfg.batch_size)).tolist()
 
     def _batch(self, examples_by_run: dict[str, list], normalise: bool) -> types.PreparedModelPassBatch:
         """One datum list holding every run's packed rows, each run's rows on its own adapter."""
@@ -157,8 +142,9 @@ class SFTTrainer:
             result = out[run.name]
             if isinstance(result, types.ErrorResponse):
                 raise RuntimeError(f"run {run.name}: {result.error}")
-            lr = learning_rate(run, self.cfg, self.step, self.total_steps)
             opt = self.cfg.optimizer
+            lr = learning_rate(run.learning_rate, self.step, self.total_steps, opt.scheduler, opt.warmup_steps,
+                               opt.min_lr_ratio)
             metrics = self.backend.optim_step(run.name, types.OptimStepInput(adam_params=types.AdamParams(
                 learning_rate=lr, beta1=opt.beta1, beta2=opt.beta2, eps=opt.eps, weight_decay=run.weight_decay,
                 grad_clip_norm=opt.grad_clip_norm))).metrics
@@ -181,30 +167,19 @@ class SFTTrainer:
     # ---- checkpoints and exports ----
 
     def save(self) -> Path:
-        root = Path(self.cfg.ckpt_path)
-        step_dir = root / f"global_step_{self.step}"
+        step_dir = step_dirs.step_dir(self.cfg.ckpt_path, self.step)
         for run in self.cfg.runs:
             self.backend.save_checkpoint(step_dir / run.name, run.name)
-        (step_dir / "trainer_state.json").write_text(json.dumps({"step": self.step, "runs": [r.name for r in self.cfg.runs]}))
-        (root / LATEST).write_text(str(self.step))  # written last: a crash before leaves the previous one
-        if self.cfg.max_ckpts_to_keep:
-            steps = sorted(int(p.name.split("_")[-1]) for p in root.glob("global_step_*"))
-            for old in steps[: -self.cfg.max_ckpts_to_keep]:
-                shutil.rmtree(root / f"global_step_{old}", ignore_errors=True)
-        return step_dir
+        state = {"step": self.step, "runs": [r.name for r in self.cfg.runs]}
+        return step_dirs.commit(self.cfg.ckpt_path, self.step, state, keep=self.cfg.max_ckpts_to_keep)
 
     def resume(self) -> None:
-        target = self.cfg.resume_from
-        if not target:
-            return
-        if target == "latest":
-            marker = Path(self.cfg.ckpt_path) / LATEST
-            if not marker.exists():
-                return  # nothing saved yet: start fresh
-            target = str(Path(self.cfg.ckpt_path) / f"global_step_{marker.read_text().strip()}")
-        state = json.loads((Path(target) / "trainer_state.json").read_text())
+        target = step_dirs.resume_dir(self.cfg.ckpt_path, self.cfg.resume_from)
+        if target is None:
+            return  # nothing asked for, or nothing saved yet: start fresh
+        state = step_dirs.read_state(target)
         for run in self.cfg.runs:
-            self.backend.load_checkpoint(Path(target) / run.name, run.name)
+            self.backend.load_checkpoint(target / run.name, run.name)
         self.step = state["step"]
 
     def export(self, path: str | Path) -> None:
@@ -239,7 +214,7 @@ class SFTTrainer:
             if self.cfg.ckpt_path and self.cfg.ckpt_interval and self.step % self.cfg.ckpt_interval == 0:
                 self.save()
             if self.cfg.hf_save_interval and self.step % self.cfg.hf_save_interval == 0:
-                self.export(Path(self.cfg.export_path) / f"global_step_{self.step}")
+                self.export(step_dirs.step_dir(self.cfg.export_path, self.step))
         bar.close()
         if self.step < self.total_steps:
             return {"interrupted_at": self.step}
