@@ -99,6 +99,11 @@ def register(name: str, fn: LossFn | None = None, *, config_defaults: Mapping[st
     return add(fn) if fn is not None else add
 
 
+def unregister(name: str) -> None:
+    _LOSSES.unregister(name)
+    _VERSION[0] += 1
+
+
 def get(name: str) -> LossSpec:
     return _LOSSES.get(name)
 

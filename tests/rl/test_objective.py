@@ -25,13 +25,14 @@ def test_non_finite_reference_at_masked_positions_changes_nothing(kl):
     inputs = {"weights": mask / mask.sum(), "logprobs": rng.uniform(-6, -1, mask.shape).astype(np.float32),
               "advantages": rng.normal(size=mask.shape).astype(np.float32) * mask, "rl_mask": mask,
               "kl_weights": mask / n / 2, "entropy_weights": np.zeros_like(mask), "rl_selected": np.zeros_like(mask)}
-    config = losses.resolve_config(objective.OBJECTIVE, objective.objective_config("regular", kl, {}, 0.5, 0.0))
+    name = objective.objective_name("regular")
+    config = losses.resolve_config(name, objective.objective_config("regular", kl, {}, 0.5, 0.0))
     keys = tuple(config)
     config_bk = jnp.asarray([[config[k] for k in keys]] * 2, jnp.float32)
 
     def total(lp, ref_row):
         per = losses.per_token_losses(lp, {k: jnp.asarray(v) for k, v in inputs.items()} | {"ref_logprobs": ref_row},
-                                      jnp.zeros(2, jnp.int32), config_bk, (objective.OBJECTIVE,), keys)
+                                      jnp.zeros(2, jnp.int32), config_bk, (name,), keys)
         return per.sum()
 
     want, want_grad = jax.value_and_grad(total)(lp, jnp.asarray(ref))

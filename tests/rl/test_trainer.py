@@ -89,7 +89,7 @@ def test_objective_equals_numpy(tiny_dirs):
             extra["rl_rollout_logprobs"].append(datums[-1]["logprobs"])  # on-policy: the sampler's are the old ones
         spec = tx.rl.algorithms.policy_loss(policy)
         config = objective.objective_config(policy, kl, {k: v for k, v in params.items() if k in spec.params}, 0.3, 0.02)
-        requests.append((f"r{r}", "p", datums, objective.OBJECTIVE, config))
+        requests.append((f"r{r}", "p", datums, objective.objective_name(policy), config))
     out = backend.forward(make_batch(requests, all_extra_inputs=extra))
     i = 0
     for (policy, kl), (request_id, _, datums, _, _) in zip(PAIRS, requests):
@@ -117,12 +117,24 @@ def test_objective_equals_numpy(tiny_dirs):
             i += 1
 
 
-def test_objective_refuses_an_unknown_policy_loss_id():
+def test_each_policy_loss_is_its_own_registered_loss_and_follows_the_registry():
+    """No id numbers: the objective of policy loss p is the tx loss "tx.rl.policy.<p>", registered and removed with
+    p; a server without p refuses its datums by name."""
     config = objective.objective_config("regular", "k3", {}, 0.0, 0.0)
-    with pytest.raises(ValueError, match=r"loss_fn_config\['policy_loss'\]=123.0 names no policy loss"):
-        tx.losses.resolve_config(objective.OBJECTIVE, {**config, "policy_loss": 123.0})
+    assert "policy_loss" not in config
+    assert {objective.objective_name(p) for p in tx.rl.algorithms.policy_loss_names()} <= set(tx.losses.names())
     with pytest.raises(ValueError, match=r"'kl_estimator'\]=7.0 is not an index"):
-        tx.losses.resolve_config(objective.OBJECTIVE, {**config, "kl_estimator": 7.0})
+        tx.losses.resolve_config(objective.objective_name("regular"), {**config, "kl_estimator": 7.0})
+    with pytest.raises(ValueError, match="has no parameter 'eps_clip_low'"):
+        objective.objective_config("cispo", "k3", {"eps_clip_low": 0.1}, 0.0, 0.0)
+    name = "test_objective_follows"
+    tx.rl.algorithms.register_policy_loss(name, lambda lp, inputs, params: -params["s"] * lp, params={"s": 2.0})
+    try:
+        assert tx.losses.get(objective.objective_name(name)).config_defaults["s"] == 2.0
+    finally:
+        tx.rl.algorithms.unregister_policy_loss(name)
+    with pytest.raises(KeyError, match=f"unknown loss function 'tx.rl.policy.{name}'"):
+        tx.losses.get(objective.objective_name(name))
 
 
 def test_rank_0_and_temperature_train_against_a_frozen_tempered_reference(tmp_path, caplog):

@@ -55,4 +55,4 @@ def test_rollout_is_with_prompt_mean_in_the_loss_or_in_the_advantages(tmp_path):
         scale = 1.0 / (len(tokens) * max(tokens[tr.group], 1))
         np.testing.assert_allclose(d_adv["advantages"][s:], np.asarray(d_loss["advantages"][s:]) * scale, rtol=1e-6)
         np.testing.assert_array_equal(d_adv["weights"][s:], tr.loss_mask)
-    assert config["policy_loss"] == objective.policy_loss_id("rollout_is")
+    assert loss == objective.objective_name("rollout_is")

@@ -15,7 +15,7 @@ holds the RL objective and the same policy losses.
 
 from tx.rl.algorithms import register_advantage_estimator, register_policy_loss
 from tx.rl.env import Env, StepOutput, make_env, register_env
-from tx.rl import objective  # noqa: F401  registers the "tx.rl" loss
+from tx.rl import objective  # noqa: F401  registers a tx loss per policy loss
 
 __all__ = ["Env", "StepOutput", "register_env", "make_env", "register_policy_loss", "register_advantage_estimator",
            "RLConfig", "RLTrainer"]

@@ -18,8 +18,8 @@ The trainer wires config -> backend -> policy -> tokenizer -> data -> env pool -
 job of a step has its module: rollout collection with dynamic sampling (`tx.rl.collect`), rewards -> advantages
 (`tx.rl.prepare`, pure numpy), the one mini-batch loop of the policy and critic updates (`tx.rl.learner`, with
 their learners in `tx.rl.update` and `tx.rl.critic`), checkpoints and exports (`tx.rl.checkpoint`).
-The per-token objective is the registered tx loss "tx.rl" (`tx.rl.objective`). The adapters live in this
-process's backend or, with `tx.base_url`, on a `python -m tx.run` server driven through the tinker SDK
+The per-token objective of policy loss p is the registered tx loss "tx.rl.policy.<p>" (`tx.rl.objective`). The
+adapters live in this process's backend or, with `tx.base_url`, on a `python -m tx.run` server driven through the tinker SDK
 (`tx.rl.policy`): the same loop, the same numbers.
 """
 
@@ -64,7 +64,6 @@ class RLTrainer:
 
             base = str(tiny_model_dir())
         self.base_model = base
-        objective.register_objective()  # over the policy losses registered now (environment.imports' too)
         self.runs = [Run.build(name, run_cfg) for name, run_cfg in cfg.run_configs().items()]
         ranks = [r.cfg.trainer.policy.model.lora.rank for r in self.runs]
         self.full = 0 in ranks  # rank 0: every base weight trains (one run; the config checks the rest)

@@ -1,4 +1,4 @@
-"""The policy update's host side, per run: its mini-batches as datums of the "tx.rl" objective with the loss
+"""The policy update's host side, per run: its mini-batches as datums of the policy loss's objective (`tx.rl.objective`) with the loss
 reduction placed in the weights or the advantages (`minibatch`), the metrics of a mini-batch's pass
 (`loss_metrics`), and both as the run's `Learner` for the mini-batch loop (`tx.rl.learner`). The batch they read
 is `tx.rl.prepare`'s."""
@@ -47,7 +47,7 @@ def minibatch(run: Run, trajectories: list[Trajectory], prep: dict, idx: np.ndar
     config = objective.objective_config(a.policy_loss_type, a.kl_estimator_type, run.loss_params,
                                         a.kl_loss_coef if a.use_kl_loss else 0.0,
                                         a.entropy_loss_coef if a.use_entropy_loss else 0.0)
-    return datums, objective.OBJECTIVE, config
+    return datums, objective.objective_name(a.policy_loss_type), config
 
 
 def placed_advantages(run: Run, prep: dict, idx: np.ndarray) -> np.ndarray:
