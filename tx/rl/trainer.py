@@ -37,7 +37,7 @@ from tqdm import tqdm
 from tx import types
 from tx.metrics import MetricsSink
 from tx.backends.config import JaxBackendConfig, MixedPrecisionConfig
-from tx.rl import checkpoint, collect, critic, learner, objective, update
+from tx.rl import checkpoint, collect, critic, learner, update
 from tx.rl.batch import datum, from_targets
 from tx.rl.config import RLConfig
 from tx.rl.env import EnvPool, import_env_modules
