@@ -1,6 +1,6 @@
 """The documentation site (docs/, mkdocs.yml): the generated configuration reference matches the code, the site
 builds with `mkdocs build --strict`, every page is in the nav and every nav entry exists, and the README (and
-its proposed successor, docs/README-draft.md) keeps the commands CI runs."""
+its links) keeps the commands CI runs."""
 
 from __future__ import annotations
 
@@ -94,26 +94,18 @@ def test_every_page_is_in_the_nav():
     assert not pages - set(nav), f"pages under docs/ missing from mkdocs.yml's nav: {sorted(pages - set(nav))}"
 
 
-@pytest.mark.parametrize("readme", ["README.md", "docs/README-draft.md"])
-def test_readme_keeps_the_ci_commands(readme):
-    path = ROOT / readme
-    if not path.exists():  # the draft, once it has replaced README.md
-        pytest.skip(f"{readme} is gone")
-    lines = path.read_text().splitlines()
+def test_readme_keeps_the_ci_commands():
+    lines = (ROOT / "README.md").read_text().splitlines()
     for command in CI_COMMANDS:
-        assert command in lines, f"{readme} lost the command CI runs (.ci/run), word for word: {command}"
+        assert command in lines, f"README.md lost the command CI runs (.ci/run), word for word: {command}"
     ci = (ROOT / ".ci" / "run").read_text()
     assert "-m tx.run --port" in ci and "examples/tinker_client.py" in ci and "python -m pytest -q tests" in ci
 
 
-def test_readme_draft_links_resolve():
-    """docs/README-draft.md is excluded from the site (its links are relative to the repository root, where it
-    will live): check them here."""
-    draft = DOCS / "README-draft.md"
-    if not draft.exists():
-        pytest.skip("docs/README-draft.md is gone")
-    links = re.findall(r"\]\(([^)\s]+)\)", draft.read_text())
+def test_readme_links_resolve():
+    """README.md's links are relative to the repository root (the site does not build it): check them here."""
+    links = re.findall(r"\]\(([^)\s]+)\)", (ROOT / "README.md").read_text())
     local = [link.split("#")[0] for link in links if not re.match(r"[a-z]+://", link)]
     assert local, "no links found"
     broken = sorted({link for link in local if link and not (ROOT / link).exists()})
-    assert not broken, f"docs/README-draft.md links to missing files: {broken}"
+    assert not broken, f"README.md links to missing files: {broken}"
