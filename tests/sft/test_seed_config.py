@@ -218,13 +218,17 @@ def test_seed_lora_config_trains_end_to_end(tiny_dirs, tmp_path):
     """The bundled SkyRL-format example (rank 8), 3 steps, through the CLI with SkyRL-style overrides."""
     overrides = [f"model.path={tiny_dirs['dense']}", "num_steps=3", f"ckpt_path={tmp_path / 'ckpts'}",
                  f"export_path={tmp_path / 'export'}", "eval_dataset_name=null"]  # no eval: one compile less
-    proc = subprocess.run([sys.executable, "-m", "tx.sft", "--config", "examples/sft_seed_tiny.yaml", *overrides],
-                          check=False, capture_output=True, text=True, cwd=ROOT, timeout=300, env=one_device_env())
+    proc = subprocess.run([sys.executable, "-m", "tx.sft", "--progress", "--config", "examples/sft_seed_tiny.yaml",
+                           *overrides], check=False, capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env=one_device_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     losses = [r["policy/loss"] for r in records if "policy/loss" in r]
     assert len(losses) == 3 and losses[2] < losses[0]
     assert records[-1]["summary"] and records[-1]["steps"] == 3
+    # --progress: the bar on stderr (not a terminal here), the JSON lines alone on stdout
+    assert "sft: 100%" in proc.stderr and "3/3" in proc.stderr and "tok/s=" in proc.stderr, proc.stderr[-2000:]
+    assert all(line.startswith("{") for line in proc.stdout.splitlines() if line.strip()), proc.stdout[-2000:]
     # SkyRL's layout: <ckpt_path>/global_step_N/policy, exports under <export_path>/policy
     assert (tmp_path / "ckpts" / "global_step_3" / "policy").is_dir()
     assert (tmp_path / "ckpts" / "latest_ckpt_global_step.txt").read_text() == "3"

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from tx.training.overrides import load_values
+from tx.training.progress import add_progress_flag
 
 if TYPE_CHECKING:
     from tx.rl.config import RLConfig
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML file of SkyRLTrainConfig fields")
     parser.add_argument("--base-url", help="a tx.run server to train on (same as tx.base_url=URL)")
+    add_progress_flag(parser)
     parser.add_argument("overrides", nargs="*", help="key=value overrides (dotted keys)")
     args = parser.parse_args(argv)
     if args.base_url:
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"invalid RL setup: {e}", file=sys.stderr)
         return 2
     trainer.metrics.stdout = True  # metrics to stdout as JSON lines too
+    trainer.progress = args.progress
     trainer.fit()
     return 0
 

@@ -32,7 +32,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from tqdm import tqdm
 
 from tx import types
 from tx.metrics import MetricsSink
@@ -46,6 +45,7 @@ from tx.rl.prepare import prepare
 from tx.rl.rollout import ChatTokens, PromptRow, RolloutParams, Trajectory, rollout
 from tx.rl.runs import Run, recomputes_old
 from tx.training.data import batch_indices, load_rows
+from tx.training.progress import progress_bar
 from tx.training.seed_config import lora_targets
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class RLTrainer:
         from transformers import AutoTokenizer
 
         self.cfg = cfg
+        self.progress: bool | None = None  # the progress bar: None = where stderr is a terminal
         t, g, a = cfg.trainer, cfg.generator, cfg.trainer.algorithm
         import_env_modules(cfg.environment.imports)
         base = t.policy.model.path
@@ -298,7 +299,7 @@ class RLTrainer:
         self.resume()
         if t.eval_before_train and self.global_step == 0 and self.val_rows:
             self.log(self.evaluate())
-        bar = tqdm(total=self.total_steps, initial=self.batches_used, desc="rl", unit="batch", disable=None)
+        bar = progress_bar(self.total_steps, self.batches_used, "rl", "batch", self.progress)
         done = 0
         try:
             while self.batches_used < self.total_steps and (stop_after is None or done < stop_after):

@@ -33,6 +33,7 @@ from pydantic import ValidationError
 from tx.sft.config import SFTConfig
 from tx.sft.seed_config import SeedFieldIgnored, detect_format, from_seed
 from tx.training.overrides import load_values
+from tx.training.progress import add_progress_flag
 
 
 def load_config(path: str | None, overrides: list[str], fmt: Literal["auto", "tx", "seed"] = "auto") -> SFTConfig:
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", choices=["auto", "tx", "seed"], default="auto",
                         help="config format: 'seed' = SkyRL's SFTConfig names, 'tx' = tx's own; "
                              "'auto' (default) tells them apart by their keys")
+    add_progress_flag(parser)
     parser.add_argument("overrides", nargs="*", help="key=value overrides (dotted keys)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -70,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"invalid SFT setup: {e}", file=sys.stderr)
         return 2
     trainer.metrics.stdout = True  # metrics to stdout as JSON lines too
+    trainer.progress = args.progress
     trainer.fit()
     return 0
 

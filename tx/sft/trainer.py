@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from tqdm import tqdm
 
 from tx import types
 from tx.metrics import MetricsSink
@@ -28,6 +27,7 @@ from tx.sft.config import SFTConfig
 from tx.sft.data import dummy_examples, load_examples, packed_rows
 from tx.training import step_dirs
 from tx.training.data import batch_indices
+from tx.training.progress import progress_bar
 from tx.training.schedule import learning_rate
 
 
@@ -36,6 +36,7 @@ class SFTTrainer:
         from transformers import AutoTokenizer
 
         self.cfg = cfg
+        self.progress: bool | None = None  # the progress bar: None = where stderr is a terminal
         base = cfg.base_model
         if base == "tiny":
             from tx.score import tiny_model_dir
@@ -201,7 +202,7 @@ class SFTTrainer:
         self.resume()
         if self.cfg.eval_before_train and self.step == 0:
             self.log(self.evaluate())
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="sft", disable=None)
+        bar = progress_bar(self.total_steps, self.step, "sft", "step", self.progress)
         done = 0
         while self.step < self.total_steps and (stop_after is None or done < stop_after):
             record = self.train_step()
