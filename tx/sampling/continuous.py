@@ -1,8 +1,9 @@
-"""The paged sampling engine's host side: page tables, prompt sharing, continuous batching, preemption.
+"""The paged sampling engine's host side: prompt sharing, continuous batching, preemption.
 
 `PagedEngine` keeps sampling rows (`tx.sampling.requests.SampleRow`) across calls: `add` queues a call's
 rows, each `step` runs one iteration and returns the rows that finished in it, so rows join and leave
-between device calls (`tx.sampling.paged_calls` packs them into the device calls). How:
+between device calls (`tx.sampling.paged_calls` packs them into the device calls). It decides which rows
+run; whether they fit and which pages they get, `tx.sampling.kv_cache.KVCacheManager` (`self.kv`) says. How:
 - **Prompt sharing.** The rows of one request share its prompt. The prompt is prefilled once, up to but
   not including its last token, into pages the request's rows all read; each row copies the partial last
   page (copy-on-write), feeds the prompt's last token itself and decodes into its own pages. KV memory held
@@ -41,8 +42,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tx.sampling.kv_pages import PageTable
-from tx.sampling.paged_calls import PagedDevice, free_memory_bytes, slot_count, table_width
+from tx.sampling.kv_cache import KVCacheManager, pool_pages
+from tx.sampling.paged_calls import PagedDevice, free_memory_bytes, slot_count
 from tx.sampling.paged_rows import Group, Live, Row, RowResult
 from tx.sampling.requests import SampleRow
 
@@ -56,40 +57,34 @@ class PagedEngine:
     def __init__(self, source: WeightsSource, runtime: Runtime, config: SamplingSettings, text: TextCodec):
         self.source, self.text = source, text
         cfg = config
-        self.page = cfg.kv_page_size
-        self.width = table_width(source.max_seq_len, self.page)
         free = free_memory_bytes()
-        self.num_pages = cfg.kv_cache_pages or self._auto_pages(cfg.max_num_seqs, free)
-        if self.num_pages < 2 * self.width + 1:
-            raise ValueError(f"kv_cache_pages={self.num_pages} is below {2 * self.width + 1}: the pool must hold one "
-                             f"longest prompt and one longest row (max_seq_len={source.max_seq_len}, "
-                             f"kv_page_size={self.page})")
+        num_pages = cfg.kv_cache_pages or self._auto_pages(cfg, free)
+        self.kv = KVCacheManager(num_pages, cfg.kv_page_size, source.max_seq_len, cfg.prefix_cache)
         self.slots, self.steps = cfg.max_num_seqs, cfg.decode_steps_per_call
         self.max_steps = max(cfg.decode_steps_per_call, cfg.max_decode_steps_per_call)
         self.call_steps = self.steps  # this iteration's decode bound (`_iterate`)
-        self.prefix_cache = cfg.prefix_cache
         self.stats = runtime.metrics.sampling  # reported by /api/v1/metrics
         self.stats.update({"prefill_tokens": 0, "prefill_tokens_cached": 0, "decode_tokens": 0, "peak_pages": 0,
-                           "calls": 0, "preempted": 0, "kv_cache_pages": self.num_pages})
-        self.device = PagedDevice(source, runtime, config, text, self.num_pages, self.width, self.stats, free)
+                           "calls": 0, "preempted": 0, "kv_cache_pages": num_pages})
+        self.device = PagedDevice(source, runtime, config, text, self.kv, self.stats, free)
         self._serial = 0
         self.reset()
 
-    def _auto_pages(self, slots: int, free: int) -> int:
+    def _auto_pages(self, config: SamplingSettings, free: int) -> int:
         """Every slot at full length plus one longest prompt and row, within half this process's `free`
-        device memory (`paged_calls.free_memory_bytes`). Hosts differ in memory, so a multi-host run takes the
-        smallest pool any process could hold: one pool shape, one SPMD program."""
+        device memory (`paged_calls.free_memory_bytes`; `kv_cache.pool_pages`). Hosts differ in memory, so a
+        multi-host run takes the smallest pool any process could hold: one pool shape, one SPMD program."""
         from tx.models.sharding import min_over_processes
 
-        want = slots * self.width + 2 * self.width + 1
-        cfg = self.source.model.config
-        itemsize = self.source.model.embed_tokens.embedding[...].dtype.itemsize
-        page_bytes = 2 * cfg.num_hidden_layers * self.page * cfg.num_key_value_heads * cfg.head_dim * itemsize
-        return max(2 * self.width + 1, min_over_processes(min(want, int(free // 2 // page_bytes))))
+        model = self.source.model
+        cfg, itemsize = model.config, model.embed_tokens.embedding[...].dtype.itemsize
+        token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize  # K and V
+        return min_over_processes(pool_pages(config.max_num_seqs, self.source.max_seq_len, config.kv_page_size,
+                                             int(free // 2), token_bytes))
 
     def reset(self) -> None:
         """Forget every row and page (after a failed call the pages and donated pools are in an unknown state)."""
-        self.pages = PageTable(self.num_pages, self.page)  # kept across calls: the prefix cache lives in it
+        self.kv.reset()  # only here: the prefix cache lives across calls
         self.device.pools = None
         self.waiting: list[Group] = []  # not admitted, in order (resumed rows first)
         self.prefilling: list[Group] = []  # admitted, prompt not fully written
@@ -144,20 +139,20 @@ class PagedEngine:
         self.call_steps = self.steps  # admissions reserve pages for a short call
         self._admit_groups()
         self._admit_rows()
-        self.stats["peak_pages"] = max(self.stats["peak_pages"], self.pages.in_use)
+        self.stats["peak_pages"] = max(self.stats["peak_pages"], self.kv.pages_in_use)
         if self.prefilling:
             self.device.prefill(self.prefilling)
             for g in [g for g in self.prefilling if g.ready]:
                 self.prefilling.remove(g)
                 self.ready.append(g)
-                self._publish(g.identity, g.prompt[: g.prefix], g.pages)
+                self.kv.publish(g.identity, g.prompt[: g.prefix], g.pages)
             # rows whose prompt this call finished take free slots now: their first token comes from this
             # iteration's decode call, not one host round trip later
             self._admit_rows()
         self._choose_call_steps()
         if self.live:
             self._grow()
-            self.stats["peak_pages"] = max(self.stats["peak_pages"], self.pages.in_use)
+            self.stats["peak_pages"] = max(self.stats["peak_pages"], self.kv.pages_in_use)
         if self.live:
             live = list(self.live)
             before = [len(lv.row.result.tokens) for lv in live]
@@ -187,7 +182,7 @@ class PagedEngine:
         if self.waiting or self.prefilling or self.ready:
             return
         self.call_steps = max(self.steps, min(self.max_steps, self._steps_until_fewer_slots()))
-        if self.pages.available < self._growth():
+        if not self.kv.can_grow(self.live, self.call_steps):
             self.call_steps = self.steps
 
     def _steps_until_fewer_slots(self) -> int:
@@ -224,22 +219,19 @@ class PagedEngine:
     def _admit_group(self, g: Group) -> bool:
         """Admit waiting request `g` if the pool has room for its prompt, its first row's first call and
         the live rows' next call."""
-        pages = self.pages
-        total = -(-g.prefix // self.page)
-        hits = pages.lookup(g.identity, g.prompt[: g.prefix]) if self._caching(g.identity) else []
-        need = total - len(hits) + self._window(g.prefix, self._last(g, g.rows[0]), g.prefix)
-        if pages.available < need + self._growth():
-            pages.release(hits)
+        hits = self.kv.lookup(g.identity, g.prompt[: g.prefix])
+        if not self.kv.can_admit(g.prefix, hits, self._last(g, g.rows[0]), self.live, self.call_steps):
+            self.kv.free(hits)
             return False
-        g.pages = hits + pages.allocate(total - len(hits))
-        g.prefilled = len(hits) * self.page
+        g.pages = self.kv.allocate(g.prefix, hits)
+        g.prefilled = self.kv.cached_tokens(hits)
         if g.cached is None:  # its first admission (a re-admission reads what it wrote itself)
             g.cached = 0 if g.resumed else g.prefilled
         self.stats["prefill_tokens_cached"] += g.prefilled
         self.waiting.remove(g)
         (self.prefilling if not g.ready else self.ready).append(g)
         if g.ready:
-            self._publish(g.identity, g.prompt[: g.prefix], g.pages)
+            self.kv.publish(g.identity, g.prompt[: g.prefix], g.pages)
         return True
 
     def _admit_rows(self) -> None:
@@ -248,15 +240,12 @@ class PagedEngine:
             g = self.ready[0]
             row = g.rows[0]
             last = self._last(g, row)
-            own = self.pages.allocate(self._window(g.prefix, last, g.prefix))
-            if own is None:
+            pages = self.kv.allocate_row(g.pages, g.prefix, last, self.call_steps)
+            if pages is None:
                 break
-            first = g.prefix // self.page
-            # the shared partial page: this row writes its own copy (done by its first decode call)
-            copy = (g.pages[first], own[0]) if g.prefix % self.page else None
             if not g.resumed:
                 row.result.cached_prompt_tokens = g.cached
-            self.live.append(Live(row, g, g.pages[:first] + own, own, g.prefix, int(g.prompt[-1]), last, copy))
+            self.live.append(Live(row, g, pages.table, pages.own, g.prefix, int(g.prompt[-1]), last, pages.copy))
             g.rows.pop(0)
             g.live += 1
             if not g.rows:
@@ -266,47 +255,31 @@ class PagedEngine:
         """The last position `row` writes: that of the input of its last token."""
         return g.prefix + row.spec.max_tokens - len(row.result.tokens) - 1
 
-    def _window(self, pos: int, last: int, start: int) -> int:
-        """Pages covering positions `start` .. min(pos + steps - 1, last) (the next call's writes)."""
-        return min(pos + self.call_steps - 1, last) // self.page - start // self.page + 1
-
-    def _growth(self) -> int:
-        """Pages the live rows need for their next call beyond what they hold."""
-        return sum(max(0, self._needed(lv)) for lv in self.live)
-
-    def _needed(self, lv: Live) -> int:
-        return min(lv.pos + self.call_steps - 1, lv.last) // self.page + 1 - len(lv.table)
-
     def _grow(self) -> None:
         """Pages for every live row's next call, oldest row first; preempt the youngest when they run out."""
         i = 0
         while i < len(self.live):
             lv = self.live[i]
-            n = self._needed(lv)
-            new = self.pages.allocate(n) if n > 0 else []
-            while new is None:
-                if not self._free_room(n, keep=lv):
-                    break
-                new = self.pages.allocate(n)
-            if new is None:  # this row is the youngest left: it waits
+            grown = self.kv.grow(lv, self.call_steps)
+            while not grown and self._free_room(keep=lv):
+                grown = self.kv.grow(lv, self.call_steps)
+            if not grown:  # this row is the youngest left: it waits
                 self._preempt(lv)
                 continue
-            lv.own += new
-            lv.table += new
             i += 1
 
-    def _free_room(self, n: int, keep: Live) -> bool:
-        """Release pages until `n` are available: admitted requests no slot reads yet first (youngest
+    def _free_room(self, keep: Live) -> bool:
+        """Release pages until `keep`'s next call fits: admitted requests no slot reads yet first (youngest
         first; their prompts are prefilled again later), then the youngest live rows. False when only
         `keep` is left to take them from."""
         idle = [g for g in self.ready + self.prefilling if g.live == 0 and g.pages]
         for g in sorted(idle, key=lambda g: g.rows[0].serial, reverse=True):
-            if self.pages.available >= n:
+            if self.kv.can_grow([keep], self.call_steps):
                 return True
             (self.ready if g in self.ready else self.prefilling).remove(g)
             self._unadmit(g)
         victim = self.live[-1]
-        if self.pages.available >= n:
+        if self.kv.can_grow([keep], self.call_steps):
             return True
         if victim is keep:
             return False
@@ -314,8 +287,8 @@ class PagedEngine:
         return True
 
     def _unadmit(self, g: Group) -> None:
-        self._publish(g.identity, g.prompt[: g.prefilled], g.pages)
-        self.pages.release(g.pages)
+        self.kv.publish(g.identity, g.prompt[: g.prefilled], g.pages)
+        self.kv.free(g.pages)
         g.pages, g.prefilled = [], 0
         self.waiting.insert(0, g)
 
@@ -324,7 +297,7 @@ class PagedEngine:
         self.stats["preempted"] += 1
         self.live.remove(lv)
         identity = self._resume_identity(lv)
-        self._publish(identity, self._written(lv), lv.table)
+        self.kv.publish(identity, self._written(lv), lv.table)
         self._leave(lv)
         prompt = np.concatenate([lv.row.spec.prompt, np.asarray(lv.row.result.tokens, np.int32)]).astype(np.int32)
         g = Group([lv.row], prompt, lv.group.adapter, identity, resumed=True, tenant=lv.group.tenant)
@@ -335,21 +308,21 @@ class PagedEngine:
     def _resume_identity(self, lv: Live) -> str | None:
         """The prefix-cache key of a preempted row's pages: its weights' own key where those may be shared
         across requests, else a key only this row uses (rows on shared weights never read others' pages)."""
-        if not self.prefix_cache:
+        if not self.kv.prefix_cache:
             return None
         return lv.group.identity or f"row:{lv.row.serial}:{lv.group.adapter}"
 
     def _leave(self, lv: Live) -> None:
-        self.pages.release(lv.own)
+        self.kv.free(lv.own)
         g = lv.group
         g.live -= 1
         if g.live == 0 and not g.rows and g.pages:
-            self.pages.release(g.pages)
+            self.kv.free(g.pages)
             g.pages = []
 
     def _finish(self, lv: Live) -> None:
         self.live.remove(lv)
-        self._publish(lv.group.identity, self._written(lv), lv.table)  # its K/V stays reusable
+        self.kv.publish(lv.group.identity, self._written(lv), lv.table)  # its K/V stays reusable
         self._leave(lv)
         self._done.append((lv.row.tag, lv.row.result))
 
@@ -358,10 +331,3 @@ class PagedEngine:
         """The tokens whose K/V `lv`'s table holds: its request's prompt, then its sampled tokens but the last."""
         tokens = np.concatenate([lv.row.spec.prompt, np.asarray(lv.row.result.tokens, np.int32)])
         return tokens[: lv.pos].astype(np.int32)
-
-    def _caching(self, identity: str | None) -> bool:
-        return self.prefix_cache and identity is not None
-
-    def _publish(self, identity: str | None, tokens: np.ndarray, table: list[int]) -> None:
-        if self._caching(identity):
-            self.pages.publish(identity, tokens.tolist(), table)

@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tx.runtime import pow2
+from tx.sampling.kv_cache import table_width  # noqa: F401  (also read from here by tx/backends/precompile.py)
 from tx.sampling.layer_copies import LayerCopies
 from tx.sampling.paged_step import PrefillInputs, SlotInputs, decode_steps, prefill_chunk
 
 if TYPE_CHECKING:
     from tx.runtime import Runtime
+    from tx.sampling.kv_cache import KVCacheManager
     from tx.sampling.paged_rows import Group, Live
     from tx.sampling.source import SamplingSettings, WeightsSource
     from tx.sampling.text import TextCodec
@@ -37,11 +39,6 @@ def prefill_row_count(wanted: int, prefill_rows: int, fsdp: int) -> int:
     padding), at most `prefill_rows`, rounded up to the fsdp size."""
     r = min(pow2(wanted), prefill_rows)
     return -(-r // fsdp) * fsdp
-
-
-def table_width(max_seq_len: int, page: int) -> int:
-    """Pages in a row's table: its context, and one more (a row may start mid-page after a shared prefix)."""
-    return -(-max_seq_len // page) + 1
 
 
 def table_blocks(width: int, page: int, kv_block: int) -> int:
@@ -90,15 +87,15 @@ class PagedDevice:
     donated to every call) and the two device calls over them."""
 
     def __init__(self, source: WeightsSource, runtime: Runtime, config: SamplingSettings, text: TextCodec,
-                 num_pages: int, width: int, stats: dict[str, int], free_bytes: int):
+                 kv: KVCacheManager, stats: dict[str, int], free_bytes: int):
         self.source, self.runtime, self.text = source, runtime, text
         cfg = config
-        self.num_pages, self.page, self.width = num_pages, cfg.kv_page_size, width
+        self.num_pages, self.page, self.width = kv.num_pages, kv.page_size, kv.table_width  # the pools' geometry
         self.slots, self.fsdp = cfg.max_num_seqs, runtime.mesh.shape["fsdp"]
         self.chunk, self.chunk_rows = cfg.prefill_chunk, cfg.prefill_rows
         self.steps = max(cfg.decode_steps_per_call, cfg.max_decode_steps_per_call)  # the buffers' width
         self.impl, self.kv_block = cfg.paged_attention_impl, cfg.kv_block
-        self.max_blocks = table_blocks(width, self.page, self.kv_block)
+        self.max_blocks = table_blocks(self.width, self.page, self.kv_block)
         platform = source.model.platform
         self.bucketed = self.impl == "blocked" and kv_blocks_bucketed(cfg.paged_kv_blocks, platform)
         self.topk_width = pow2(cfg.max_topk_prompt_logprobs)  # topk_sample_logprobs are bounded by it
