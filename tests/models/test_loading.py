@@ -56,13 +56,14 @@ def test_wrong_shape(dense_copy):
 
 def test_unknown_architecture_and_bad_paths(dense_copy, tmp_path):
     cfg = json.loads((dense_copy / "config.json").read_text())
-    cfg["architectures"] = ["LlamaForCausalLM"]
+    cfg["architectures"] = ["GPT2LMHeadModel"]
     (dense_copy / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="model_type 'qwen3' but architectures\\[0\\] 'LlamaForCausalLM'"):
+    with pytest.raises(ValueError, match="model_type 'qwen3' but architectures\\[0\\] 'GPT2LMHeadModel'"):
         load_model(dense_copy)
     model_type = cfg.pop("model_type")  # without one, the architecture alone picks the family
     (dense_copy / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="unknown architecture 'LlamaForCausalLM'; registered: Qwen3ForCausalLM"):
+    with pytest.raises(ValueError, match="unknown architecture 'GPT2LMHeadModel'; registered: LlamaForCausalLM, "
+                                         "Qwen3ForCausalLM"):
         load_model(dense_copy)
     with pytest.raises(FileNotFoundError, match="not a directory"):
         load_model(str(tmp_path / "nope"))

@@ -12,8 +12,20 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 DType = Literal["float32", "bfloat16", "float16"]
 
 
+class Llama3Rope(BaseModel):
+    """Llama 3.1's RoPE frequency scaling (`rope_type: llama3`): long wavelengths divided by `factor`, short ones
+    kept, a smooth blend between `low_freq_factor` and `high_freq_factor` of the original context."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    factor: float = Field(gt=0)
+    low_freq_factor: float = Field(gt=0)
+    high_freq_factor: float = Field(gt=0)
+    original_max_position_embeddings: int = Field(gt=0)
+
+
 class ModelConfig(BaseModel):
-    """Architecture of a Qwen3 / Qwen3-MoE model, validated from an HF config dict."""
+    """Architecture of a Qwen3 / Qwen3-MoE / Llama 3 model, validated from an HF config dict."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -27,6 +39,8 @@ class ModelConfig(BaseModel):
     head_dim: int = Field(gt=0)
     rms_norm_eps: float = Field(gt=0)
     rope_theta: float = Field(gt=0)
+    llama3_rope: Llama3Rope | None = Field(None, description="Llama 3.1 RoPE scaling (rope_type llama3); None: default RoPE")
+    qk_norm: bool = Field(True, description="per-head RMSNorm of queries and keys before RoPE (Qwen3; Llama has none)")
     max_position_embeddings: int = Field(gt=0)
     tie_word_embeddings: bool = False
     dtype: DType = Field("float32", description="dtype of the base weights")
@@ -98,6 +112,8 @@ class ModelConfig(BaseModel):
             head_dim=head_dim,
             rms_norm_eps=get("rms_norm_eps"),
             rope_theta=_rope_theta(hf),
+            llama3_rope=_llama3_rope(hf),
+            qk_norm=family.qk_norm,
             max_position_embeddings=get("max_position_embeddings"),
             tie_word_embeddings=get("tie_word_embeddings"),
             dtype=hf.get("dtype") or hf.get("torch_dtype") or "float32",
@@ -125,6 +141,7 @@ class _Family:
     architecture: str
     moe: bool
     defaults: dict[str, Any]
+    qk_norm: bool = True
 
 
 _COMMON = {"vocab_size": 151936, "num_attention_heads": 32, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
@@ -139,6 +156,11 @@ _FAMILIES = {
         **_COMMON, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24, "num_key_value_heads": 4,
         "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
         "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    # transformers' LlamaConfig: no head_dim default (hidden_size // heads), null kv heads = as many as heads
+    "llama": _Family("LlamaForCausalLM", False, {
+        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": None, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False}, qk_norm=False),
 }
 DEFAULT_ROPE_THETA = 10_000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
 
@@ -175,23 +197,39 @@ def _kv_heads(hf: dict[str, Any], family: _Family, heads: int) -> int:
     return heads if kv is None else kv
 
 
-def _rope_theta(hf: dict[str, Any]) -> float:
-    """transformers 5 reads rope_scaling, else rope_parameters (its own spelling); rope_theta inside it
-    wins over the 4.x top-level key, else the default. Only default RoPE is supported."""
+def _rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5 reads rope_scaling, else rope_parameters (its own spelling)."""
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
         raise ValueError(f"rope_parameters {rope!r}: per-layer-type RoPE is not supported")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"rope_type={rope_type!r} is not supported (only default RoPE)")
-    theta = rope.get("rope_theta", hf.get("rope_theta"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"rope_type={rope_type!r} is not supported (default and llama3 RoPE only)")
+    return rope | {"rope_type": rope_type}
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+    """rope_theta inside the RoPE parameters wins over the 4.x top-level key, else the default."""
+    theta = _rope_parameters(hf).get("rope_theta", hf.get("rope_theta"))
     return DEFAULT_ROPE_THETA if theta is None else theta
+
+
+def _llama3_rope(hf: dict[str, Any]) -> Llama3Rope | None:
+    rope = _rope_parameters(hf)
+    if rope["rope_type"] != "llama3":
+        return None
+    missing = [k for k in Llama3Rope.model_fields if rope.get(k) is None]
+    if missing:
+        raise ValueError(f"rope_type='llama3' needs {', '.join(missing)} in rope_scaling / rope_parameters")
+    return Llama3Rope(**{k: rope[k] for k in Llama3Rope.model_fields})
 
 
 def _refuse_unsupported(hf: dict[str, Any]) -> None:
     """Features transformers' Qwen3 has and tx does not: loading them would compute something else."""
     if hf.get("attention_bias"):
-        raise ValueError("attention_bias=true is not supported (Qwen3 checkpoints have no attention biases)")
+        raise ValueError("attention_bias=true is not supported (Qwen3 and Llama 3 checkpoints have no attention biases)")
+    if hf.get("mlp_bias"):
+        raise ValueError("mlp_bias=true is not supported (Llama 3 checkpoints have no MLP biases)")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (silu only)")
     if hf.get("use_sliding_window"):

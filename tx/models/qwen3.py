@@ -325,7 +325,10 @@ class Qwen3ForCausalLM(nnx.Module):
         return sum(stack.layer_bytes() for stack in self.stacks)
 
     def _layers(self, ids_bt, positions_bt, mask_bts, adapter_b, decode, return_kv, layers=None):
-        cos_sin = rope_cos_sin(positions_bt, self.config.head_dim, self.config.rope_theta)
+        cfg = self.config
+        llama3 = cfg.llama3_rope and (cfg.llama3_rope.factor, cfg.llama3_rope.low_freq_factor,
+                                      cfg.llama3_rope.high_freq_factor, cfg.llama3_rope.original_max_position_embeddings)
+        cos_sin = rope_cos_sin(positions_bt, cfg.head_dim, cfg.rope_theta, llama3)
         x_btd = self.embed_tokens(ids_bt)
         kvs = []
         for i, stack in enumerate(self.stacks):

@@ -23,6 +23,8 @@ FAMILIES: Registry[type[nnx.Module]] = Registry("architecture")
 BUILT_IN = {
     "Qwen3ForCausalLM": "tx.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "tx.models.qwen3:Qwen3ForCausalLM",
+    # Llama 3 is the same decoder without Qwen3's query/key norms, with Llama 3.1's RoPE scaling (ModelConfig)
+    "LlamaForCausalLM": "tx.models.qwen3:Qwen3ForCausalLM",
 }
 
 

@@ -147,8 +147,10 @@ class Attention(nnx.Module):
         self.k_proj = LoRALinear(d, self.num_kv_heads * hd, name="k_proj", **kw)
         self.v_proj = LoRALinear(d, self.num_kv_heads * hd, name="v_proj", **kw)
         self.o_proj = LoRALinear(self.num_heads * hd, d, name="o_proj", **kw)
-        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, stack=stack, dtype=dtype)
-        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, stack=stack, dtype=dtype)
+        if cfg.qk_norm:  # Qwen3's per-head norms; Llama has none
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, stack=stack, dtype=dtype)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, stack=stack, dtype=dtype)
+        self.qk_norm = cfg.qk_norm
 
     def __call__(
         self,
@@ -168,8 +170,10 @@ class Attention(nnx.Module):
         (the sampling engine), they are written into its pages and queries attend over their sequences'
         pages (`mask` unused); the updated pools are returned. The kernel runs per device (module doc)."""
         b, t, _ = x_btd.shape
-        q_bthd = self.q_norm(self.q_proj(x_btd, adapter_b).reshape(b, t, self.num_heads, self.head_dim))
-        k_btkd = self.k_norm(self.k_proj(x_btd, adapter_b).reshape(b, t, self.num_kv_heads, self.head_dim))
+        q_bthd = self.q_proj(x_btd, adapter_b).reshape(b, t, self.num_heads, self.head_dim)
+        k_btkd = self.k_proj(x_btd, adapter_b).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q_bthd, k_btkd = self.q_norm(q_bthd), self.k_norm(k_btkd)
         v_btkd = self.v_proj(x_btd, adapter_b).reshape(b, t, self.num_kv_heads, self.head_dim)
         q_bthd, k_btkd = apply_rope(q_bthd, *cos_sin), apply_rope(k_btkd, *cos_sin)
         q_bthd = self.shard.constrain(q_bthd, Q_AXES)

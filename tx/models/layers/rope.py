@@ -27,18 +27,41 @@ def _inv_freq(head_dim: int, theta: float) -> np.ndarray:
     return inv_freq_f
 
 
-def inv_freq(head_dim: int, theta: float) -> np.ndarray:
-    """Read-only float32 [head_dim // 2] inverse frequencies."""
+@functools.cache
+def _llama3_inv_freq(head_dim: int, theta: float, llama3: tuple[float, float, float, int]) -> np.ndarray:
+    """Llama 3.1's scaling of the default frequencies, in the float32 steps of transformers'
+    `_compute_llama3_parameters`: wavelengths above original_max / low_freq_factor are divided by `factor`,
+    those below original_max / high_freq_factor kept, the ones between blended by `smooth`."""
+    factor, low, high, original = llama3
+    f32 = np.float32  # python scalars meet float32 tensors in torch as float32 (computed in double first)
+    base = _inv_freq(head_dim, theta)
+    wavelen = np.float32(2 * np.pi) / base
+    low_wavelen, high_wavelen = f32(original / low), f32(original / high)
+    scaled = np.where(wavelen > low_wavelen, base / f32(factor), base).astype(np.float32)
+    smooth = ((f32(original) / wavelen - f32(low)) / f32(high - low)).astype(np.float32)
+    smoothed = ((f32(1) - smooth) * scaled / f32(factor) + smooth * scaled).astype(np.float32)
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    out = np.where(medium, smoothed, scaled).astype(np.float32)
+    out.setflags(write=False)
+    return out
+
+
+def inv_freq(head_dim: int, theta: float, llama3: tuple[float, float, float, int] | None = None) -> np.ndarray:
+    """Read-only float32 [head_dim // 2] inverse frequencies; `llama3` = (factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings) applies Llama 3.1's scaling."""
     if head_dim <= 0 or head_dim % 2:
         raise ValueError(f"head_dim={head_dim} must be a positive even number for RoPE")
     if not theta > 0:
         raise ValueError(f"rope_theta={theta} must be > 0")
+    if llama3 is not None:
+        return _llama3_inv_freq(int(head_dim), float(theta), tuple(llama3))
     return _inv_freq(int(head_dim), float(theta))
 
 
-def rope_cos_sin(positions_bt: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+def rope_cos_sin(positions_bt: jax.Array, head_dim: int, theta: float,
+                 llama3: tuple[float, float, float, int] | None = None) -> tuple[jax.Array, jax.Array]:
     """float32 cos and sin, each [b, t, head_dim]; angle = float32(position) * inv_freq, one rounding."""
-    inv_freq_f = jnp.asarray(inv_freq(head_dim, theta))  # a constant of the traced program
+    inv_freq_f = jnp.asarray(inv_freq(head_dim, theta, llama3))  # a constant of the traced program
     angles_btf = positions_bt.astype(jnp.float32)[..., None] * inv_freq_f
     angles_btd = jnp.concatenate([angles_btf, angles_btf], axis=-1)
     return jnp.cos(angles_btd), jnp.sin(angles_btd)

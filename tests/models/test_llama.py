@@ -1,0 +1,128 @@
+"""Llama 3 (`LlamaForCausalLM`): the Qwen3 decoder without query/key norms, with Llama 3.1's RoPE scaling, against
+transformers' own Llama on checkpoints transformers wrote (`save_pretrained`): RoPE frequencies bit-identical,
+log-probs beyond the original context (1e-4, float32), LoRA training through the backend against PEFT, greedy
+paged sampling == `generate`."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from peft import LoraConfig as PeftLoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+import tx
+from tests.helpers import hf_logprobs, make_batch, random_batch, random_datums
+from tests.sampling.test_sample import SP, sample_batch
+from tx import types
+from tx.models.adapters import get_adapter_weights
+from tx.models.config import ModelConfig
+from tx.models.layers.rope import inv_freq
+from tx.models.loading import load_model
+
+TOL = 1e-4
+# Llama 3.1 8B's and 3.2 1B's RoPE (head_dim 128, theta 500000)
+ROPES = {"3.1": (8.0, 1.0, 4.0, 8192), "3.2": (32.0, 1.0, 4.0, 8192)}
+
+
+@pytest.mark.parametrize("version", sorted(ROPES))
+def test_llama3_rope_frequencies_are_bit_identical_to_transformers(version):
+    factor, low, high, original = ROPES[version]
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": factor, "low_freq_factor": low,
+            "high_freq_factor": high, "original_max_position_embeddings": original}
+    config = LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_parameters=rope)
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    got = inv_freq(128, 500000.0, ROPES[version])
+    np.testing.assert_array_equal(got, want.numpy())
+    assert not np.array_equal(got, inv_freq(128, 500000.0))  # the scaling changed something
+
+
+def _llama(tmp_path, tie: bool):
+    """A random Llama 3.2-style model written by transformers: GQA, llama3 RoPE with a short original context
+    (64 tokens, so the scaled frequencies matter within the test's sequences), tied or untied embeddings."""
+    torch.manual_seed(0)
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         rope_parameters=rope, tie_word_embeddings=tie, initializer_range=0.2, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0)
+    out = tmp_path / f"llama-{'tied' if tie else 'untied'}"
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llama")
+    return {tie: _llama(root, tie) for tie in (False, True)}
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_logprobs_match_transformers_beyond_the_original_context(llama_dirs, tie):
+    model_dir = llama_dirs[tie]
+    cfg = ModelConfig.from_dir(model_dir)
+    assert cfg.architecture == "LlamaForCausalLM" and not cfg.qk_norm and cfg.llama3_rope.factor == 8.0
+    assert cfg.tie_word_embeddings == tie and cfg.head_dim == 16 and cfg.num_key_value_heads == 2
+    model = load_model(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids, mask, targets = random_batch(3, [150, 40], 512)
+    import jax.numpy as jnp
+
+    hidden = model(jnp.asarray(ids), jnp.asarray(mask), jnp.zeros(2, jnp.int32))
+    got = np.asarray(model.target_logprobs(hidden, jnp.asarray(targets), jnp.zeros(2, jnp.int32)))
+    want = hf_logprobs(hf, ids, mask, targets)
+    valid = mask.astype(bool)
+    assert np.abs(got - want)[valid].max() <= TOL
+    assert np.abs(want[valid] - want[valid].mean()).max() > 1e-2  # not trivially uniform
+
+
+def test_config_refuses_what_llama_checkpoints_do_not_have(llama_dirs):
+    hf = json.loads((llama_dirs[False] / "config.json").read_text())
+    with pytest.raises(ValueError, match="mlp_bias=true is not supported"):
+        ModelConfig.from_hf_dict({**hf, "mlp_bias": True})
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling")
+    with pytest.raises(ValueError, match="rope_type='llama3' needs low_freq_factor"):
+        ModelConfig.from_hf_dict({**hf, "rope_parameters": {k: v for k, v in rope.items() if k != "low_freq_factor"},
+                                  "rope_scaling": None})
+
+
+def test_lora_training_matches_peft_and_greedy_sampling_matches_generate(llama_dirs):
+    """Two adapters trained in one backend; each adapter's forward equals PEFT with its weights; greedy paged
+    sampling through an adapter equals transformers' generate on the PEFT model."""
+    model_dir = str(llama_dirs[False])
+    backend = tx.JaxBackend(model_dir, tx.JaxBackendConfig(max_lora_adapters=3, max_lora_rank=8, max_seq_len=96))
+    backend.create_model("a", types.LoraConfig(rank=8, alpha=16, seed=1))
+    backend.create_model("b", types.LoraConfig(rank=4, alpha=8, seed=2, train_mlp=False))
+    train = random_datums(0, [70, 12])
+    for _ in range(3):
+        for model_id in ("a", "b"):
+            out = backend.forward_backward(make_batch([("r", model_id, train, "cross_entropy", None)]))["r"]
+            assert isinstance(out, types.ForwardBackwardOutput), out
+            backend.optim_step(model_id, types.OptimStepInput(adam_params=types.AdamParams(learning_rate=1e-2)))
+    datums = random_datums(1, [80, 9])
+    prompt = [5, 17, 99, 3, 42, 7]
+    for model_id in ("a", "b"):
+        meta = backend.models[model_id]
+        weights = get_adapter_weights(backend.model, meta.adapter_index, meta.lora_config.rank)
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        peft = get_peft_model(base, PeftLoraConfig(r=meta.lora_config.rank, lora_alpha=meta.lora_config.alpha,
+                                                   target_modules=sorted(weights), init_lora_weights=False))
+        with torch.no_grad():
+            for name, module in peft.named_modules():
+                key = name.removeprefix("base_model.model.")
+                if key in weights:
+                    module.lora_A["default"].weight.copy_(torch.tensor(weights[key][0]))
+                    module.lora_B["default"].weight.copy_(torch.tensor(weights[key][1]))
+        out = backend.forward(make_batch([("f", model_id, datums, "cross_entropy", None)]))["f"]
+        for datum, output in zip(datums, out.loss_fn_outputs):
+            ids = np.array([datum["input_ids"]])
+            want = hf_logprobs(peft, ids, np.ones_like(ids), np.array([datum["targets"]]))[0]
+            assert np.abs(output["logprobs"].to_numpy() - want).max() <= TOL, model_id
+        sampled = backend.sample(sample_batch([("s", model_id, [(prompt, SP(max_tokens=12, temperature=0.0))],
+                                                False, 0)]))["s"]
+        with torch.no_grad():
+            ids = peft.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(prompt):].tolist()
+        assert sampled.sequences[0].tokens == ids, model_id
