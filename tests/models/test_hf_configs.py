@@ -73,7 +73,7 @@ def test_config_reads_like_transformers(name):
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_type='linear'"),
     ({"attention_bias": True}, "attention_bias"),
-    ({"model_type": "llama"}, "model_type 'llama' is not supported"),
+    ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
 ])
 def test_config_refusals_name_the_key(edit, message):
     d = {**CONFIGS["moe_5x"], **edit}
