@@ -128,3 +128,22 @@ def random_datums(seed: int, lengths: list[int], vocab: int = 512, **extra):
             datum[key] = fn(rng, n)
         out.append(datum)
     return out
+
+
+def peft_model_of(model_dir, weights: dict, rank: int, alpha: float):
+    """transformers' float32 model at `model_dir` under PEFT with one LoRA adapter holding `weights`
+    ({module name: (A [r, in], B [out, r])}, as `tx.models.adapters.get_adapter_weights` returns them)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha, target_modules=sorted(weights),
+                                           init_lora_weights=False))
+    with torch.no_grad():
+        for name, module in peft.named_modules():
+            key = name.removeprefix("base_model.model.")
+            if key in weights:
+                module.lora_A["default"].weight.copy_(torch.tensor(weights[key][0]))
+                module.lora_B["default"].weight.copy_(torch.tensor(weights[key][1]))
+    return peft

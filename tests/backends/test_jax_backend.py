@@ -5,11 +5,10 @@ import jax
 import numpy as np
 import pytest
 import torch
-from peft import LoraConfig as PeftLoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 import tx
-from tests.helpers import hf_logprobs, make_batch, random_datums
+from tests.helpers import hf_logprobs, make_batch, peft_model_of, random_datums
 from tx import types
 from tx.models.adapters import get_adapter_weights, lora_modules
 
@@ -58,15 +57,7 @@ def test_forward_matches_transformers_and_peft_after_training(tiny_dirs):
         meta = backend.models[model_id]
         weights = get_adapter_weights(backend.model, meta.adapter_index, meta.lora_config.rank)
         assert all(("mlp" in k) == (model_id == "a") for k in weights if "mlp" in k)  # b does not train the MLP
-        base = AutoModelForCausalLM.from_pretrained(tiny_dirs["dense"], dtype=torch.float32)
-        peft = get_peft_model(base, PeftLoraConfig(r=meta.lora_config.rank, lora_alpha=meta.lora_config.alpha,
-                                                   target_modules=sorted(weights), init_lora_weights=False))
-        with torch.no_grad():
-            for name, module in peft.named_modules():
-                key = name.removeprefix("base_model.model.")
-                if key in weights:
-                    module.lora_A["default"].weight.copy_(torch.tensor(weights[key][0]))
-                    module.lora_B["default"].weight.copy_(torch.tensor(weights[key][1]))
+        peft = peft_model_of(tiny_dirs["dense"], weights, meta.lora_config.rank, meta.lora_config.alpha)
         for datum, output in zip(rows, out[request_id].loss_fn_outputs):
             ids = np.array([datum["input_ids"]])
             want = hf_logprobs(peft, ids, np.ones_like(ids), np.array([datum["targets"]]))[0]

@@ -5,15 +5,15 @@ paged sampling == `generate`."""
 
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from peft import LoraConfig as PeftLoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import tx
-from tests.helpers import hf_logprobs, make_batch, random_batch, random_datums
+from tests.helpers import hf_logprobs, make_batch, peft_model_of, random_batch, random_datums
 from tests.sampling.test_sample import SP, sample_batch
 from tx import types
 from tx.models.adapters import get_adapter_weights
@@ -68,8 +68,6 @@ def test_logprobs_match_transformers_beyond_the_original_context(llama_dirs, tie
     model = load_model(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ids, mask, targets = random_batch(3, [150, 40], 512)
-    import jax.numpy as jnp
-
     hidden = model(jnp.asarray(ids), jnp.asarray(mask), jnp.zeros(2, jnp.int32))
     got = np.asarray(model.target_logprobs(hidden, jnp.asarray(targets), jnp.zeros(2, jnp.int32)))
     want = hf_logprobs(hf, ids, mask, targets)
@@ -106,15 +104,7 @@ def test_lora_training_matches_peft_and_greedy_sampling_matches_generate(llama_d
     for model_id in ("a", "b"):
         meta = backend.models[model_id]
         weights = get_adapter_weights(backend.model, meta.adapter_index, meta.lora_config.rank)
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        peft = get_peft_model(base, PeftLoraConfig(r=meta.lora_config.rank, lora_alpha=meta.lora_config.alpha,
-                                                   target_modules=sorted(weights), init_lora_weights=False))
-        with torch.no_grad():
-            for name, module in peft.named_modules():
-                key = name.removeprefix("base_model.model.")
-                if key in weights:
-                    module.lora_A["default"].weight.copy_(torch.tensor(weights[key][0]))
-                    module.lora_B["default"].weight.copy_(torch.tensor(weights[key][1]))
+        peft = peft_model_of(model_dir, weights, meta.lora_config.rank, meta.lora_config.alpha)
         out = backend.forward(make_batch([("f", model_id, datums, "cross_entropy", None)]))["f"]
         for datum, output in zip(datums, out.loss_fn_outputs):
             ids = np.array([datum["input_ids"]])
