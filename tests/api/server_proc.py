@@ -15,6 +15,7 @@ from tests.helpers import cpu_xla_flags
 from tests.ports import free_ports
 
 API_KEY = "tml-tx-test-key"
+ADMIN_KEY = "tml-tx-test-admin-key"  # reads the server-wide numbers (/api/v1/metrics, /metrics)
 # SDK clients by server URL: closed before their server stops, so that no heartbeat or telemetry thread
 # keeps retrying a dead server (and holding up the test process at exit)
 CLIENTS: dict[str, list] = {}
@@ -34,7 +35,8 @@ class Server:
         env = {**os.environ, "XLA_FLAGS": cpu_xla_flags(devices),
                "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
         cmd = [sys.executable, "-m", "tx.run", "--port", str(self.port), "--data-dir", str(data_dir),
-               "--api-key", API_KEY, "--max-lora-adapters", "24", "--max-lora-rank", "8", "--max-seq-len", "128",
+               "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY,
+               "--max-lora-adapters", "24", "--max-lora-rank", "8", "--max-seq-len", "128",
                *(["--base-model", base_model] if base_model else []), *args]
         self._log = open(self.log_path, "w")  # a file, not a pipe: a full pipe would stall the server
         self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
@@ -54,8 +56,8 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text()
 
-    def get(self, path: str, **kw) -> httpx.Response:
-        return httpx.get(self.url + path, headers={"X-API-Key": API_KEY}, timeout=60, **kw)
+    def get(self, path: str, key: str = API_KEY, **kw) -> httpx.Response:
+        return httpx.get(self.url + path, headers={"X-API-Key": key}, timeout=60, **kw)
 
     def post(self, path: str, key: str = API_KEY, **kw) -> httpx.Response:
         return httpx.post(self.url + path, headers={"X-API-Key": key, **kw.pop("headers", {})}, timeout=60, **kw)

@@ -18,7 +18,7 @@ import tinker
 from tinker import types as T
 
 from tests.api import sdk_flows
-from tests.api.server_proc import Server
+from tests.api.server_proc import ADMIN_KEY, Server
 from tests.distributed import test_multihost as multihost
 from tests.helpers import hf_logprobs
 from tx.models.tiny import TinySpec, write_tiny_model
@@ -78,7 +78,7 @@ def test_teacher_on_second_base_model_scores_with_its_weights(server, reference)
     svc = sdk_flows.service(server.url)
 
     def sample_calls() -> dict[str, int]:
-        calls = server.get("/api/v1/metrics").json()["backend_calls_by_base_model"]
+        calls = server.get("/api/v1/metrics", key=ADMIN_KEY).json()["backend_calls_by_base_model"]
         return {name: sum(n for call, n in calls[name].items() if call.startswith("sample")) for name in (A, B)}
 
     before = sample_calls()

@@ -12,7 +12,7 @@ import tinker
 from tinker import types as T
 
 from tests.api import sdk_flows
-from tests.api.server_proc import Server
+from tests.api.server_proc import ADMIN_KEY, Server
 
 pytestmark = pytest.mark.slow
 
@@ -33,11 +33,11 @@ def timed(future) -> tuple[T.SampleResponse, float]:
 
 def long_and_short(server, sampler, prompt: T.ModelInput) -> tuple[float, float]:
     """A 512-token batch of 8, and once it decodes a request for 8 tokens: (short's seconds, long's seconds)."""
-    steps = server.get("/api/v1/metrics").json()["engine"].get("sample_steps", 0)
+    steps = server.get("/api/v1/metrics", key=ADMIN_KEY).json()["engine"].get("sample_steps", 0)
     with ThreadPoolExecutor(2) as pool:
         t0 = time.perf_counter()
         long = pool.submit(timed, sampler.sample(prompt, 8, T.SamplingParams(max_tokens=512, seed=1, stop=[])))
-        while server.get("/api/v1/metrics").json()["engine"].get("sample_steps", 0) < steps + 8:
+        while server.get("/api/v1/metrics", key=ADMIN_KEY).json()["engine"].get("sample_steps", 0) < steps + 8:
             time.sleep(0.01)  # wait until the long batch is decoding
         t1 = time.perf_counter()
         short = pool.submit(timed, sampler.sample(prompt, 1, T.SamplingParams(max_tokens=8, seed=2, stop=[])))
@@ -54,9 +54,9 @@ def test_a_short_request_joins_a_long_batch_and_returns_first(server):
     # joined: slot bucket 16) and 1 (the short one alone), so the measurement times no compile
     for rows in (9, 8, 1):
         sampler.sample(prompt, rows, T.SamplingParams(max_tokens=16, stop=[])).result()
-    compiles = server.get("/api/v1/metrics").json()["backend_compiles"]
+    compiles = server.get("/api/v1/metrics", key=ADMIN_KEY).json()["backend_compiles"]
     short_s, long_s = long_and_short(server, sampler, prompt)
-    assert server.get("/api/v1/metrics").json()["backend_compiles"] == compiles
+    assert server.get("/api/v1/metrics", key=ADMIN_KEY).json()["backend_compiles"] == compiles
     assert short_s <= 0.2 * long_s, (short_s, long_s)
 
 
@@ -73,7 +73,7 @@ def test_a_resent_conversation_reads_its_first_turn_from_the_cache(server):
     # the first turn wrote prompt + 23 tokens (the last sampled token's K/V is never computed): 103 -> 6 pages
     assert first.prompt_cache_hit_tokens == 0
     assert second.prompt_cache_hit_tokens == (len(turn1) + 24 - 1) // 16 * 16
-    metrics = server.get("/api/v1/metrics").json()
+    metrics = server.get("/api/v1/metrics", key=ADMIN_KEY).json()
     assert metrics["backend_sampling"]["prefill_tokens_cached"] >= second.prompt_cache_hit_tokens
 
 
@@ -87,7 +87,7 @@ def test_training_runs_while_a_long_sampling_job_is_in_flight(server):
     tc.forward_backward(data, "cross_entropy").result()  # compiled before the sampling job starts
 
     def metrics():
-        return server.get("/api/v1/metrics").json()
+        return server.get("/api/v1/metrics", key=ADMIN_KEY).json()
 
     steps, before = metrics()["engine"].get("sample_steps", 0), metrics()["backend_sampling"]["decode_tokens"]
     rows, length = 16, 600

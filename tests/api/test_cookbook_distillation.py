@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from tests.api.server_proc import API_KEY, Server
+from tests.api.server_proc import ADMIN_KEY, API_KEY, Server
 from tests.require import require_module
 from tx.models.tiny import TinySpec, write_tiny_model
 
@@ -63,7 +63,7 @@ def test_on_policy_distillation_with_a_teacher_on_another_base_model(tmp_path):
             assert math.isfinite(m["teacher_kl"]), m
         # at step 0 the student is its base model (LoRA B = 0): the KL is 0 if the teacher is the same model
         assert abs(metrics[0]["teacher_kl"]) > 0.05, metrics[0]  # measured 0.30
-        calls = server.get("/api/v1/metrics").json()["backend_calls_by_base_model"]
+        calls = server.get("/api/v1/metrics", key=ADMIN_KEY).json()["backend_calls_by_base_model"]
         assert calls[TEACHER].get("score_prompts", 0) >= STEPS, calls  # the teacher's compute_logprobs ran on it
         assert "forward_backward" not in calls[TEACHER] and "optim_step" not in calls[TEACHER], calls
         assert calls[STUDENT].get("forward_backward", 0) >= STEPS and calls[STUDENT].get("optim_step", 0) >= STEPS

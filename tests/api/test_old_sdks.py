@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import tinker
 
-from tests.api.server_proc import API_KEY, Server
+from tests.api.server_proc import ADMIN_KEY, API_KEY, Server
 from tests.require import skip_or_fail
 
 pytestmark = pytest.mark.slow  # a server start and three SDK flows: ~20 s on a quiet 2-core machine
@@ -74,7 +74,7 @@ def reference(server) -> dict:
 
 
 def engine_counts(server) -> dict:
-    r = server.get("/api/v1/metrics")
+    r = server.get("/api/v1/metrics", key=ADMIN_KEY)
     assert r.status_code == 200, r.text
     return r.json()["engine"]
 

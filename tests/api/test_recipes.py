@@ -23,7 +23,7 @@ import pytest
 
 from tests.api.recipe_data import GSM8K, MODEL, recipe_env, write_run_dir
 from tests.api.sdk_flows import service
-from tests.api.server_proc import API_KEY, Server
+from tests.api.server_proc import ADMIN_KEY, API_KEY, Server
 from tests.require import require_module
 
 require_module("tinker_cookbook")
@@ -44,7 +44,7 @@ class Lab:
         self.env = recipe_env(self.server.url, API_KEY, root / "hf_home")
 
     def counters(self) -> dict[str, int]:
-        r = self.server.get("/api/v1/metrics")
+        r = self.server.get("/api/v1/metrics", key=ADMIN_KEY)
         assert r.status_code == 200, r.text
         return r.json()["engine"]
 

@@ -15,7 +15,7 @@ import zstandard
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
 from tests.api import sdk_flows
-from tests.api.server_proc import API_KEY, Server
+from tests.api.server_proc import ADMIN_KEY, API_KEY, Server
 from tests.distributed import test_multihost as multihost
 from tests.pg_server import PostgresUnavailable, postgres_server
 from tests.require import skip_or_fail
@@ -75,14 +75,14 @@ def test_two_clients_batched_together_equal_alone(server, data_dir, tmp_path):
         return tc.save_weights_for_sampler(name).result().path
 
     alone = {seed: run(seed, f"alone{seed}") for seed in (1, 2)}
-    before = server.get("/api/v1/metrics").json()["engine"].get("cross_tenant_forward_backward_calls", 0)
+    before = server.get("/api/v1/metrics", key=ADMIN_KEY).json()["engine"].get("cross_tenant_forward_backward_calls", 0)
     together: dict[int, str] = {}
     threads = [threading.Thread(target=lambda s=s: together.__setitem__(s, run(s, f"together{s}"))) for s in (1, 2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    after = server.get("/api/v1/metrics").json()["engine"].get("cross_tenant_forward_backward_calls", 0)
+    after = server.get("/api/v1/metrics", key=ADMIN_KEY).json()["engine"].get("cross_tenant_forward_backward_calls", 0)
     assert after - before >= 2, (before, after)
     for seed in (1, 2):
         w_alone = sdk_flows.adapter_weights(data_dir, alone[seed], tmp_path)

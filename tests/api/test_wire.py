@@ -18,6 +18,7 @@ from tx.engine.engine import Engine, EngineConfig
 from tx.engine.store import Store
 
 KEY = "tml-wire-test"
+ADMIN_KEY = "tml-wire-test-admin"  # reads /api/v1/metrics (server-wide counters)
 TOKENS = [5, 6, 7, 8]
 
 
@@ -34,7 +35,8 @@ def client(tmp_path, backend):
     served = ServedModel(model_name="tiny", aliases=["tiny"], tokenizer_id="tiny", arch="Qwen3ForCausalLM",
                          max_context_length=32, max_lora_rank=4, max_num_samples=4)
     engine.start()
-    with TestClient(create_app(engine, store, ApiConfig(api_keys=[KEY], long_poll_s=5), served),
+    with TestClient(create_app(engine, store, ApiConfig(api_keys=[KEY], admin_api_keys=[ADMIN_KEY], long_poll_s=5),
+                               served),
                     headers={"X-API-Key": KEY}) as c:
         session = c.post("/api/v1/create_session", json={}).json()["session_id"]
         created = c.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": 0,
@@ -119,7 +121,7 @@ def test_metrics_count_pass_requests_per_loss_function(client):
         assert r.status_code == (400 if target is TARGET_2D else 200), r.text
         if r.status_code == 200:
             result(client, r.json()["request_id"], 60)
-    engine = client.get("/api/v1/metrics").json()["engine"]
+    engine = client.get("/api/v1/metrics", headers={"X-API-Key": ADMIN_KEY}).json()["engine"]
     assert engine.get("forward_requests_cross_entropy", 0) == 0, engine
     assert engine["forward_backward_requests_cross_entropy"] == 2, engine
 

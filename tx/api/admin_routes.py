@@ -1,12 +1,16 @@
 """Routes about the server itself: the health check, the SDK's client configuration and telemetry, the
-models served, and metrics."""
+models served, and the server-wide metrics (admin keys only: tenants see their own sessions' numbers at
+/api/v1/sessions/{session_id}/stats and /trace, `telemetry_routes`)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from tx.api.common import admin_only, tenant
 from tx.api.context import ApiContext
 from tx.runtime import compile_cache_stats
+
+INSTEAD = "a tenant sees its own sessions' numbers at /api/v1/sessions/{session_id}/stats and /trace"
 
 
 def router(ctx: ApiContext) -> APIRouter:
@@ -47,7 +51,8 @@ def router(ctx: ApiContext) -> APIRouter:
                                      for m in ctx.models.all]}
 
     @routes.get("/api/v1/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        admin_only(tenant(request), "GET /api/v1/metrics (server-wide counters)", INSTEAD)
         backend = engine.backend.metrics
         return {"engine": dict(engine.metrics), "backend_compiles": backend.compiles, "backend_calls": backend.calls,
                 "backend_tokens_real": backend.tokens_real, "backend_tokens_padded": backend.tokens_padded,

@@ -18,6 +18,7 @@ from tx.api import (
     run_routes,
     sampling_routes,
     session_routes,
+    telemetry_routes,
     training_routes,
     weights_routes,
 )
@@ -30,7 +31,8 @@ from tx.engine.ops import UserError
 from tx.engine.store import Store
 
 # in registration order, which is the order FastAPI matches paths in
-ROUTERS = (admin_routes, session_routes, training_routes, future_routes, run_routes, sampling_routes, weights_routes)
+ROUTERS = (admin_routes, session_routes, training_routes, future_routes, run_routes, sampling_routes, weights_routes,
+           telemetry_routes)
 
 
 async def api_error_response(_request: Request, e: ApiError) -> JSONResponse:
@@ -51,6 +53,9 @@ def auth_middleware(config: ApiConfig) -> Callable[[Request, Callable[[Request],
         # Every path but the health check needs a key, /docs and /openapi.json included: the schema is
         # for clients, and an unknown path answers 401 like a known one (routes are not probed for free).
         key = request.headers.get("x-api-key") or ""
+        if not key and request.url.path == "/metrics":  # what Prometheus' scrape config sends
+            scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+            key = credentials.strip() if scheme.lower() == "bearer" else ""
         if key in admin_keys:
             request.state.tenant = Tenant.of_key(key, admin=True)
         elif key in api_keys or config.no_auth:  # without auth each distinct key (even "") is a tenant

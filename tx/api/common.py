@@ -55,6 +55,13 @@ def tenant(request: Request) -> Tenant:
     return request.state.tenant
 
 
+def admin_only(who: Tenant, what: str, instead: str = "") -> None:
+    """A 403 unless `who` holds an admin key: server-wide numbers are not shown to tenants (strangers)."""
+    if not who.admin:
+        raise ApiError(403, f"{what} needs an admin API key (--admin-api-key / TX_ADMIN_API_KEYS); this key is a "
+                            f"tenant's{'; ' + instead if instead else ''}")
+
+
 def owned(row, who: Tenant, what: str):
     """`row` if it exists and `who` may see it, else the same 404 as for an unknown id (ids do not leak)."""
     owner = None if row is None else (row["owner"] if isinstance(row, dict) else row.owner)

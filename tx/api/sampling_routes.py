@@ -92,10 +92,11 @@ def router(ctx: ApiContext) -> APIRouter:
     async def asample(request: Request):
         body = await ctx.parse(request, schemas.Sample)
         who = tenant(request)
+        session_id = None  # the caller's session the request belongs to (its trace and stats)
         if body.sampling_session_id is not None:
             row = owned(await io(store.sampling_session, body.sampling_session_id), who,
                         f"sampling_session_id {body.sampling_session_id!r}")
-            location = row["location"] or ""
+            location, session_id = row["location"] or "", row["session_id"]
             base = models.trained_on(row["base_model"], f"sampling session {body.sampling_session_id}")
             if row["model_path"] is not None:  # its checkpoint may have been deleted since: refuse, do not serve
                 location = await io(checkpoint_location, row["model_path"], "sampler_weights", who,
@@ -129,7 +130,7 @@ def router(ctx: ApiContext) -> APIRouter:
         queued = await io(engine.queued_samples)
         if queued and queued + body.num_samples > engine.config.max_queued_samples:
             raise ApiError(429, f"{queued} sequences are queued (limit {engine.config.max_queued_samples}); retry later")
-        request_id = await io(engine.submit, "sample", sample, key, None, None, None, body.num_samples,
+        request_id = await io(engine.submit, "sample", sample, key, None, None, session_id, body.num_samples,
                               owner=who.id)
         return {"request_id": request_id, "sample_sequence_ids": sequence_ids(request_id, body.num_samples)}
 

@@ -33,6 +33,7 @@ from tx.engine.sampling import SamplingMixin
 from tx.engine.single_ops import SingleOpsMixin
 from tx.engine.scheduler import Round, Scheduler
 from tx.engine.store import Store
+from tx.engine.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
 ACTIVE_S = 2.0  # a model that sent a request this recently is an active tenant, worth a batch window
@@ -58,7 +59,8 @@ class Engine(SamplingMixin, SingleOpsMixin):
                                    config.max_pass_tokens)
         self.cond = threading.Condition()  # guards the scheduler; never held across store or backend I/O
         self.metrics: dict[str, int] = {}
-        self.results = ResultWriter(store, self.count)
+        self.telemetry = Telemetry()  # per-request and per-call records: traces, session stats, Prometheus
+        self.results = ResultWriter(store, self.count, on_written=self.telemetry.finished)
         self.error: BaseException | None = None
         self.on_fatal: Callable[[], None] | None = None  # e.g. stop the HTTP server
         self._stop = False
@@ -124,6 +126,8 @@ class Engine(SamplingMixin, SingleOpsMixin):
             return self.store.future_by_key(dedup_key)
         if not created:
             return request_id
+        op = Op(request_id, kind, payload, model_id, seq_id, session_id, size, tokens, owner)
+        self.telemetry.accepted(op, payload.base_model or self.base_model if kind == "sample" else None)
         late = None
         with self.cond:
             try:  # while the future was written the model may have been unloaded or its seq_id gap skipped
@@ -131,8 +135,7 @@ class Engine(SamplingMixin, SingleOpsMixin):
             except UserError as e:
                 late = e
             else:
-                self.scheduler.add(Op(request_id, kind, payload, model_id, seq_id, session_id, size, tokens,
-                                      owner))
+                self.scheduler.add(op)
                 if model_id is not None:
                     self._last_submit[model_id] = time.time()
                 self.count(f"submitted_{kind}")
@@ -153,6 +156,18 @@ class Engine(SamplingMixin, SingleOpsMixin):
     def queued_samples(self) -> int:
         with self.cond:
             return sum(op.size for op in self.scheduler.samples) + self._in_flight_sequences
+
+    def queue_depth(self) -> dict[str, int]:
+        """Requests waiting and running now: `training` (sequenced ops queued per model), `samples` and
+        `sample_sequences` (sampling requests not yet handed to a backend), `sampling` and
+        `sampling_sequences` (in a backend)."""
+        with self.cond:
+            return self._depth()
+
+    def _depth(self) -> dict[str, int]:  # under self.cond
+        training, samples, sequences = self.scheduler.depth()
+        return {"training": training, "samples": samples, "sample_sequences": sequences,
+                "sampling": len(self._in_flight), "sampling_sequences": self._in_flight_sequences}
 
     def watch(self, request_id: str, callback: Callable[[], None]) -> None:
         """Call `callback` once the future is written (it may be called from the engine thread)."""
@@ -185,7 +200,10 @@ class Engine(SamplingMixin, SingleOpsMixin):
                 if window:
                     time.sleep(window)  # let other tenants' passes join this round
                 with self.cond:
-                    round_ = self.scheduler.next_round(time.time())
+                    now = time.time()
+                    depth = self._depth()  # before the round takes its requests: what waited for it
+                    round_ = self.scheduler.next_round(now)
+                self.telemetry.queue_sample(now, **depth)
                 try:
                     if self.results.kept:
                         self.results.flush()
@@ -198,6 +216,7 @@ class Engine(SamplingMixin, SingleOpsMixin):
                     raise
                 except Exception:  # noqa: BLE001 - e.g. the database went away: keep serving what can be
                     logger.exception("engine round failed")
+                    self.count("engine_round_errors")
                     time.sleep(1.0)
         except self.fatal as e:
             logger.error("engine stopping: %s", e)
@@ -290,12 +309,17 @@ class Engine(SamplingMixin, SingleOpsMixin):
                     **fields) -> list[tuple[str, str, Encoded]] | None:
         """Run one backend call for `ops`; their results (or, when the call raised, nothing: all failed)."""
         started = time.perf_counter()
+        start = time.time()
+        self.telemetry.started(ops, start)
+        base = self._base_of.get(ops[0].model_id, self.base_model)
         try:
             outputs = call()
         except Exception as e:  # noqa: BLE001 - every request of the call gets the error
+            self.telemetry.call_of(event, base, start, time.time(), ops, ok=False)
             payload = self._failure(e)
             self._finish([(op.request_id, "failed", payload) for op in ops])
             return None
+        self.telemetry.call_of(event, base, start, time.time(), ops, ok=True)
         logger.info(json.dumps({"event": event, "requests": len(ops), **fields,
                                 "seconds": round(time.perf_counter() - started, 4)}))
         results = []
@@ -308,8 +332,15 @@ class Engine(SamplingMixin, SingleOpsMixin):
         return results
 
     def _run_single(self, op: Op) -> None:
+        start, base, ok = time.time(), self._base_of.get(op.model_id, self.base_model), False
+        self.telemetry.started([op], start)
         try:
-            result, updates = getattr(self, f"_do_{op.kind}")(op)
+            try:
+                result, updates = getattr(self, f"_do_{op.kind}")(op)
+                ok = True
+            finally:
+                if op.kind != "rejected":  # refused at submit: no backend call
+                    self.telemetry.call_of(op.kind, self._base_of.get(op.model_id, base), start, time.time(), [op], ok)
         except Exception as e:  # noqa: BLE001 - reported on this request's future
             updates = []
             if op.kind in ("create_model", "create_from_state"):

@@ -52,3 +52,9 @@ def location(root: str, model_id: str, kind: str, name: str) -> str:
     """Where a checkpoint's files go under the checkpoint root (a local directory or a cloud URL)."""
     suffix = ".tar.gz" if kind == "sampler_weights" else ""
     return str(storage.as_path(root) / model_id / kind / f"{name}{suffix}")
+
+
+def session_of(model_id: str) -> str | None:
+    """The session a `{session_id}:train:{n}` model id was created in (None for another form)."""
+    session, sep, _ = model_id.rpartition(":train:")
+    return session if sep else None

@@ -57,9 +57,11 @@ def _note(message: str) -> Encoded:
 
 class ResultWriter:
     def __init__(self, store, count: Callable[[str], None], attempts: int = 5, backoff_s: float = 0.05,
-                 max_kept_bytes: int = 256 << 20):
+                 max_kept_bytes: int = 256 << 20, on_written: Callable[[list[tuple[str, str]]], None] | None = None):
+        """`on_written`: called with (request_id, status) of the futures each write made visible."""
         self.store = store
         self.count = count
+        self.on_written = on_written
         self.attempts = attempts
         self.backoff_s = backoff_s
         self.max_kept_bytes = max_kept_bytes
@@ -100,6 +102,7 @@ class ResultWriter:
                     self._write(results, model_updates)
                 except Exception as e:  # noqa: BLE001 - any store failure: the results must not be lost
                     error = f"{type(e).__name__}: {e}"
+                    self.count("store_write_errors")
                     continue
                 self._written(results)
                 return True
@@ -120,6 +123,7 @@ class ResultWriter:
             try:
                 self._write(kept.results, kept.model_updates)
             except Exception as e:  # noqa: BLE001 - maybe only the full results do not fit: try short notes
+                self.count("store_write_errors")
                 message = (f"this request ran, but its result could not be stored ({type(e).__name__}: {e}; "
                            f"first failure {time.time() - kept.since:.0f} s ago: {kept.error})")
                 notes = [(rid, "failed", _note(message)) for rid, _, _ in kept.results]
@@ -146,9 +150,16 @@ class ResultWriter:
         self.store.finish_futures([(rid, status, ct, body) for rid, status, (ct, body) in results], model_updates)
 
     def _written(self, results: list[Result]) -> None:
+        if self.on_written is not None:  # before the watchers wake: a woken client then sees its record finished
+            self.on_written([(rid, status) for rid, status, _ in results])
         with self._watch_lock:
             callbacks = [cb for rid, _, _ in results for cb in self._watchers.pop(rid, [])]
         for cb in callbacks:
             cb()
         for _, status, _ in results:
             self.count("requests_failed" if status == "failed" else "requests_done")
+
+    def pending_writes(self) -> int:
+        """Results the store refused, kept in memory to write later (read without the write lock, which a
+        failing store holds for seconds)."""
+        return sum(len(k.results) for k in list(self.kept))

@@ -37,9 +37,12 @@ class SamplingMixin:
         self.count("sample_calls")  # batches handed to the backend together
         if len({op.payload.location for op in ops}) > 1:
             self.count("multi_adapter_sample_calls")
+        start = time.time()
+        self.telemetry.started(ops, start)
         try:
             refused = self._served(base).sample_submit(batch)
         except Exception as e:  # noqa: BLE001 - every request of the call gets the error
+            self.telemetry.call_of("sample_submit", base, start, time.time(), ops, ok=False)
             payload = self._failure(e)
             self._finish([(op.request_id, "failed", payload) for op in ops])
             return
@@ -48,6 +51,7 @@ class SamplingMixin:
                 continue
             self._in_flight[op.request_id] = (base, op)
             self._in_flight_sequences += op.size
+        self.telemetry.call_of("sample_submit", base, start, time.time(), ops, ok=True)
         self._finish([(op.request_id, "failed", self._error_payload(refused[op.request_id]))
                       for op in ops if op.request_id in refused])
         logger.info('{"event": "sample_submit", "requests": %d, "sequences": %d, "refused": %d}', len(ops),
@@ -89,9 +93,14 @@ class SamplingMixin:
     def _sample_iteration(self) -> None:
         for base in sorted({base for base, _ in self._in_flight.values()}):
             started = time.perf_counter()
+            backend = self._served(base)
+            shares, start = self.telemetry.sampling_shares(base), time.time()
+            before = _sampled_tokens(backend)
             try:
-                outputs = self._served(base).sample_step()
+                outputs = backend.sample_step()
             except Exception as e:  # noqa: BLE001 - the backend dropped its requests in flight: all fail
+                self.telemetry.call("sample_step", base, start, time.time(), sum(r for r, _ in shares.values()), 0,
+                                    False, shares)
                 payload = self._failure(e)
                 ids = [rid for rid, (b, _) in self._in_flight.items() if b == base]
                 for rid in ids:
@@ -99,6 +108,11 @@ class SamplingMixin:
                 self._finish([(rid, "failed", payload) for rid in ids])
                 continue
             self.count("sample_steps")
+            tokens = _sampled_tokens(backend) - before
+            if len(shares) == 1:  # one session's rows only: the step's tokens are all its own
+                shares = {s: (r, tokens) for s, (r, _) in shares.items()}
+            self.telemetry.call("sample_step", base, start, time.time(), sum(r for r, _ in shares.values()), tokens,
+                                True, shares)
             results = []
             for request_id, out in outputs.items():
                 if (entry := self._in_flight.pop(request_id, None)) is None:
@@ -107,6 +121,7 @@ class SamplingMixin:
                 if isinstance(out, types.ErrorResponse):
                     results.append((request_id, "failed", self._error_payload(out)))
                 else:
+                    self.telemetry.produced(request_id, sum(len(seq.tokens) for seq in out.sequences))
                     results.append((request_id, "done", self.encode_sample(out)))
             if results:
                 logger.info('{"event": "sample", "finished": %d, "in_flight": %d, "seconds": %.4f}', len(results),
@@ -120,3 +135,9 @@ class SamplingMixin:
     @staticmethod
     def _error_payload(out: types.ErrorResponse):
         return error_payload(out.error, "user")
+
+
+def _sampled_tokens(backend) -> int:
+    """Tokens the backend's sampling engine prefilled and decoded so far (0 where it does not count them)."""
+    stats = getattr(getattr(backend, "metrics", None), "sampling", None) or {}
+    return stats.get("prefill_tokens", 0) + stats.get("decode_tokens", 0)

@@ -85,6 +85,11 @@ class Scheduler:
         return {m for m, q in self.models.items()
                 if (head := q.waiting.get(q.next_seq)) is not None and head.kind in PASS_KINDS}
 
+    def depth(self) -> tuple[int, int, int]:
+        """(sequenced and control ops queued, sampling requests queued, their sequences)."""
+        return (sum(len(q.waiting) for q in self.models.values()) + len(self.controls), len(self.samples),
+                sum(op.size for op in self.samples))
+
     def has_ready_passes(self) -> bool:
         return bool(self.ready_pass_models())
 
