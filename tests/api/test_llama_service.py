@@ -1,5 +1,6 @@
 """`python -m tx.run --base-model <a Llama 3 checkpoint directory>` serves it to the official SDK: the README's
-example client (examples/tinker_client.py, unmodified) trains a LoRA adapter on it, saves it and samples from it.
+example client (examples/tinker_client.py, unmodified) trains a LoRA adapter on it, saves it and samples from it;
+the capabilities name its family and the cookbook's renderer for it.
 The checkpoint is written by transformers' own `save_pretrained` (Llama 3.1 RoPE scaling), with tx's tiny
 tokenizer beside it so the client can tokenize."""
 
@@ -35,10 +36,7 @@ def test_the_readme_client_trains_and_samples_a_llama(tmp_path):
     model = llama_dir(tmp_path / "llama")
     server = Server(tmp_path / "data", "--max-seq-len", "1024", base_model=str(model))
     try:
-        caps = json.loads(subprocess.run(
-            [sys.executable, "-c", "import json, tinker; c = tinker.RestClient(base_url='" + server.url + "', api_key='"
-             + API_KEY + "').get_server_capabilities().result(); print(json.dumps(c.model_dump(mode='json')))"],
-            capture_output=True, text=True, check=True, timeout=120).stdout)
+        caps = server.get("/api/v1/get_server_capabilities").json()
         proc = subprocess.run([sys.executable, "examples/tinker_client.py", "--base-url", server.url, "--api-key",
                                API_KEY], cwd=ROOT, capture_output=True, text=True, timeout=900)
     finally:
@@ -49,4 +47,5 @@ def test_the_readme_client_trains_and_samples_a_llama(tmp_path):
     assert [x["step"] for x in steps] == list(range(10))
     assert steps[-1]["loss_per_token"] < steps[0]["loss_per_token"], steps
     assert lines[-1]["saved"].startswith("tinker://") and len(lines[-1]["samples"]) == 2
-    assert [m["model_name"] for m in caps["supported_models"]] == [str(model)], caps
+    assert [(m["model_name"], m["arch"], m["family"], m["renderer_name"]) for m in caps["supported_models"]] == [
+        (str(model), "LlamaForCausalLM", "llama", "llama3")], caps

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 
 from tx.api.common import admin_only, tenant
 from tx.api.context import ApiContext
+from tx.models.registry import family_names
 from tx.runtime import compile_cache_stats
 
 INSTEAD = "a tenant sees its own sessions' numbers at /api/v1/sessions/{session_id}/stats and /trace"
@@ -46,8 +47,10 @@ def router(ctx: ApiContext) -> APIRouter:
 
     @routes.get("/api/v1/get_server_capabilities")
     async def capabilities():
+        # arch / family / renderer_name: extra fields the SDK ignores, for clients that pick a renderer
         return {"supported_models": [{"model_name": m.model_name, "max_context_length": m.max_context_length,
-                                      "trainable": True, "sampleable": True, "training_mode": m.training_mode}
+                                      "trainable": True, "sampleable": True, "training_mode": m.training_mode,
+                                      "arch": m.arch, **family_names(m.arch)}
                                      for m in ctx.models.all]}
 
     @routes.get("/api/v1/metrics")

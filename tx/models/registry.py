@@ -28,6 +28,17 @@ BUILT_IN = {
 }
 
 
+# HF model_type and tinker-cookbook's renderer name of each built-in architecture (reported by the service)
+FAMILY_NAMES = {"Qwen3ForCausalLM": ("qwen3", "qwen3"), "Qwen3MoeForCausalLM": ("qwen3_moe", "qwen3"),
+                "LlamaForCausalLM": ("llama", "llama3")}
+
+
+def family_names(architecture: str) -> dict[str, str | None]:
+    """{"family": HF model_type, "renderer_name": the cookbook's renderer} (None for a user's architecture)."""
+    family, renderer = FAMILY_NAMES.get(architecture, (None, None))
+    return {"family": family, "renderer_name": renderer}
+
+
 def _load_built_in() -> None:
     """Register the built-in families not registered yet (a user's earlier replacement stays)."""
     for architecture, target in BUILT_IN.items():
