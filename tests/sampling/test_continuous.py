@@ -172,6 +172,30 @@ def test_a_tiny_pool_preempts_and_every_request_finishes_correctly(tiny_dirs, ba
     assert stats["preempted"] > 0 and stats["peak_pages"] <= 50
 
 
+def test_prefilled_prompts_holding_every_page_make_room_for_the_first(tiny_dirs, backend):
+    """No row decodes and the prefilled prompts hold every page but one: each request passed admission with
+    room for its own first call (the last one's 1 page), not for the first's (2 pages: its prompt ends
+    mid-page), and only decoding rows used to free pages. The youngest admitted requests are released instead
+    (prefilled again later), so the engine always progresses; every request samples what it samples alone."""
+    tight = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **(PAGED | {"kv_cache_pages": 51})))
+    greedy = SP(max_tokens=10, temperature=0.0, stop=[])
+    # prompt positions (all but the last token) 30, 80 and 84: 8 + 20 + 21 = 49 of the 50 pages; the first
+    # row's call writes positions 30..33 (its copy of page 7, and page 8), the last's 84..87 (one page)
+    requests = [(f"p{n}", "", [(list(range(3 + i, 4 + i + n)), greedy)], False, 0)
+                for i, n in enumerate((30, 80, 84))]
+    want = alone(backend, requests)
+    assert tight.sample_submit(sample_batch(requests)) == {}
+    got = {}
+    for _ in range(40):  # 15 suffice: 13 prefill calls of 16 positions, 3 decode calls per request
+        got.update(tight.sample_step())
+        if not tight.sampling_active:
+            break
+    assert not tight.sampling_active, f"no progress: {sorted(got)} finished of {[r[0] for r in requests]}"
+    for request_id in want:
+        same(want[request_id], got[request_id])
+    assert tight.sampler.paged.idle and tight.metrics.sampling["peak_pages"] <= 50
+
+
 def test_weights_changing_under_a_running_request_finish_it_first(backend):
     """An optim_step of an adapter that running rows sample from lets them finish on the old weights first
     (their results come with the next step); requests on other weights keep running."""

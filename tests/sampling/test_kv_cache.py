@@ -65,9 +65,30 @@ def test_a_short_pool_refuses_rows_and_growth_without_change():
     assert len(hog) == 8 and kv.pages_available == 0
     assert kv.can_grow([lv], 4)  # positions 4..7: in its page 2 already
     assert not kv.can_grow([lv], 8) and not kv.grow(lv, 8) and lv.table == [1, 2]  # 8..11: one page more
+    assert not kv.can_allocate_row(4, last=15, steps=1)
     assert kv.allocate_row(prompt, 4, last=15, steps=1) is None and kv.pages_in_use == 10
-    kv.free(hog)
+    kv.free(hog[:1])
+    assert kv.can_allocate_row(4, last=15, steps=4) and not kv.can_allocate_row(5, last=15, steps=4)  # 5..8: 2
+    kv.free(hog[1:])
     assert kv.pages_available == 8 and kv.grow(lv, 12) and lv.table == [1, 2, 10, 9]  # positions 8..11, 12..15
+
+
+def test_a_request_alone_always_fits_the_smallest_pool():
+    """The invariant the scheduler relies on when no row decodes (it then releases every other request): with
+    nothing else held, any prompt and its first row's first call fit the smallest pool, in at most a table's
+    width. Prompt + max_tokens <= max_seq_len 16, so a row's prompt positions and its last written position
+    are at most 14 (a resumed row's prompt holds its tokens so far)."""
+    kv = KVCacheManager(min_pool_pages(16, 4), 4, 16, prefix_cache=True)
+    for prompt_len in range(15):
+        for last in range(prompt_len, 15):
+            for steps in (1, 3, 4, 16):
+                assert kv.can_admit(prompt_len, [], last, [], steps) and kv.pages_in_use == 0
+                prompt = kv.allocate(prompt_len, [])
+                assert kv.can_allocate_row(prompt_len, last, steps)
+                row = kv.allocate_row(prompt, prompt_len, last, steps)
+                assert len(set(prompt) | set(row.table)) <= kv.table_width, (prompt_len, last, steps)
+                kv.free(prompt)
+                kv.free(row.own)
 
 
 def test_a_published_prefix_is_found_shared_and_held_by_its_readers():

@@ -22,7 +22,10 @@ run; whether they fit and which pages they get, `tx.sampling.kv_cache.KVCacheMan
   prefix cache under a key only they use, so a resumed row usually finds them still there) and the row
   goes back to the front of the queue with prompt + its tokens so far as its new prompt. A resumed row
   samples exactly the tokens it would have (its keys depend only on its seed and token count). The pool
-  always holds one longest prompt beside one longest row, so the oldest row always progresses.
+  always holds one longest prompt beside one longest row, so the oldest row always progresses. When no row
+  decodes and the next prefilled row's first call does not fit (admitted prompts hold the pages), the
+  admitted requests no slot reads yet are released the same way, youngest first, until it does: a request
+  alone always fits the pool, so the engine never stalls.
 - **Admission.** Preempted rows first (oldest first); then, request by request, the earliest request of
   the tenant whose rows hold the fewest slots and admitted places, so a tenant with many queued requests
   shares the slots with one that sends a few instead of making it wait behind all of them (one tenant
@@ -38,6 +41,7 @@ run; whether they fit and which pages they get, `tx.sampling.kv_cache.KVCacheMan
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -48,6 +52,8 @@ from tx.sampling.paged_rows import Group, Live, Row, RowResult
 from tx.sampling.requests import SampleRow
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from tx.runtime import Runtime
     from tx.sampling.source import SamplingSettings, WeightsSource
     from tx.sampling.text import TextCodec
@@ -242,7 +248,13 @@ class PagedEngine:
             last = self._last(g, row)
             pages = self.kv.allocate_row(g.pages, g.prefix, last, self.call_steps)
             if pages is None:
-                break
+                if self.live:  # decoding rows free pages as they leave
+                    break
+                # nothing decodes, so nothing else would free pages: release the requests no slot reads yet
+                # (youngest first) until this row fits, which it then does (`kv_cache.min_pool_pages`)
+                if not self._free_room(partial(self.kv.can_allocate_row, g.prefix, last, self.call_steps), g):
+                    raise RuntimeError(f"a row of a {g.prefix}-position prompt does not fit the pool alone")
+                continue
             if not g.resumed:
                 row.result.cached_prompt_tokens = g.cached
             self.live.append(Live(row, g, pages.table, pages.own, g.prefix, int(g.prompt[-1]), last, pages.copy))
@@ -261,29 +273,29 @@ class PagedEngine:
         while i < len(self.live):
             lv = self.live[i]
             grown = self.kv.grow(lv, self.call_steps)
-            while not grown and self._free_room(keep=lv):
+            while not grown and self._free_room(partial(self.kv.can_grow, [lv], self.call_steps), lv):
                 grown = self.kv.grow(lv, self.call_steps)
             if not grown:  # this row is the youngest left: it waits
                 self._preempt(lv)
                 continue
             i += 1
 
-    def _free_room(self, keep: Live) -> bool:
-        """Release pages until `keep`'s next call fits: admitted requests no slot reads yet first (youngest
-        first; their prompts are prefilled again later), then the youngest live rows. False when only
-        `keep` is left to take them from."""
-        idle = [g for g in self.ready + self.prefilling if g.live == 0 and g.pages]
+    def _free_room(self, fits: Callable[[], bool], keep: Live | Group) -> bool:
+        """Release pages until `fits()` (the next call of live row `keep`, or the first row of admitted
+        request `keep` taking a slot): admitted requests no slot reads yet first (youngest first; their
+        prompts are prefilled again later), then the youngest live rows. False when only `keep` is left to
+        take them from."""
+        idle = [g for g in self.ready + self.prefilling if g.live == 0 and g.pages and g is not keep]
         for g in sorted(idle, key=lambda g: g.rows[0].serial, reverse=True):
-            if self.kv.can_grow([keep], self.call_steps):
+            if fits():
                 return True
             (self.ready if g in self.ready else self.prefilling).remove(g)
             self._unadmit(g)
-        victim = self.live[-1]
-        if self.kv.can_grow([keep], self.call_steps):
+        if fits():
             return True
-        if victim is keep:
+        if not self.live or self.live[-1] is keep:
             return False
-        self._preempt(victim)
+        self._preempt(self.live[-1])
         return True
 
     def _unadmit(self, g: Group) -> None:

@@ -31,7 +31,9 @@ def table_width(max_seq_len: int, page: int) -> int:
 
 def min_pool_pages(max_seq_len: int, page: int) -> int:
     """The smallest pool: one longest prompt beside one longest row (so the oldest row always progresses),
-    and the reserved page 0."""
+    and the reserved page 0. Hence the invariant the scheduler relies on: a request's prompt with its first
+    row's first call (at most `table_width` pages: prompt and tokens stay within max_seq_len) always fits the
+    pool when nothing else holds pages, so releasing everything else always lets one row run."""
     return 2 * table_width(max_seq_len, page) + 1
 
 
@@ -128,6 +130,11 @@ class KVCacheManager:
         full = prompt_len // self.page_size
         copy = (prompt_pages[full], own[0]) if prompt_len % self.page_size else None
         return RowPages(list(prompt_pages[:full]) + own, own, copy)
+
+    def can_allocate_row(self, prompt_len: int, last: int, steps: int) -> bool:
+        """Whether `allocate_row` of a row of a prompt of `prompt_len` positions (its first call of `steps`
+        steps writing at most up to position `last`) finds room."""
+        return self.pool.available >= self._window(prompt_len, last, prompt_len, steps)
 
     def can_grow(self, live: Sequence[Live], steps: int) -> bool:
         """Whether the pool has room for the next call of `steps` steps of every row of `live`."""
