@@ -71,7 +71,7 @@ class PagedEngine:
         self.call_steps = self.steps  # this iteration's decode bound (`_iterate`)
         self.stats = runtime.metrics.sampling  # reported by /api/v1/metrics
         self.stats.update({"prefill_tokens": 0, "prefill_tokens_cached": 0, "decode_tokens": 0, "peak_pages": 0,
-                           "calls": 0, "preempted": 0, "kv_cache_pages": num_pages})
+                           "pages_in_use": 0, "calls": 0, "preempted": 0, "kv_cache_pages": num_pages})
         self.device = PagedDevice(source, runtime, config, text, self.kv, self.stats, free)
         self._serial = 0
         self.reset()
@@ -165,6 +165,7 @@ class PagedEngine:
             for lv, done, start in zip(live, self.device.decode(live, self.call_steps), before):
                 if done or self._hit_stop_string(lv, start):
                     self._finish(lv)
+        self.stats["pages_in_use"] = self.kv.pages_in_use  # what a metrics scrape reads between iterations
 
     def _hit_stop_string(self, lv: Live, start: int) -> bool:
         """Whether the tokens `lv` sampled from index `start` on complete one of its stop strings: the row then
