@@ -170,10 +170,10 @@ def leaves(tree):
 def test_forward_leaves_the_gradient_sums_in_place(tiny_dirs):
     backend = new_backend(tiny_dirs)
     backend.forward_backward(make_batch([ce_request("r", "a", random_datums(29, [8]))]))
-    sums = leaves(backend._grad_sum)
+    sums = leaves(backend.state.grad_sum)
     pointers = [x.unsafe_buffer_pointer() for x in sums]
     backend.forward(make_batch([ce_request("r", "a", random_datums(30, [8, 5]))]))
-    after = leaves(backend._grad_sum)
+    after = leaves(backend.state.grad_sum)
     assert all(x is y for x, y in zip(sums, after)) and not any(x.is_deleted() for x in sums)
     assert [x.unsafe_buffer_pointer() for x in after] == pointers
 
@@ -181,8 +181,8 @@ def test_forward_leaves_the_gradient_sums_in_place(tiny_dirs):
 def test_slot_writes_donate_instead_of_copying(tiny_dirs, tmp_path):
     backend = new_backend(tiny_dirs)
     backend.forward_backward(make_batch([ce_request("r", "a", random_datums(31, [8]))]))
-    sums = leaves(backend._grad_sum)
-    backend._reset_accumulation("a", backend.models["a"].adapter_index)
+    sums = leaves(backend.state.grad_sum)
+    backend._reset_accumulation("a", grads=True)
     assert all(x.is_deleted() for x in sums)  # zeroing one slot reused the buffers
     assert not any(np.any(g) for g in backend.grad_sum_of("a").values())
 
@@ -200,13 +200,13 @@ def test_slot_writes_donate_instead_of_copying(tiny_dirs, tmp_path):
 
 def test_slot_writes_keep_the_sharding(tiny_dirs):
     backend = new_backend(tiny_dirs, fully_sharded_data_parallel_size=2, tensor_parallel_size=2)
-    before = leaves(nnx_lora(backend)) + leaves(backend._grad_sum)
+    before = leaves(nnx_lora(backend)) + leaves(backend.state.grad_sum)
     shardings = [x.sharding for x in before]
     backend.delete_model("b")
     backend.create_model("c", types.LoraConfig(rank=2, seed=3))
     backend.forward_backward(make_batch([ce_request("r", "c", random_datums(32, [8]))]))
     backend.forward(make_batch([ce_request("r", "c", random_datums(33, [8]))]))
-    after = leaves(nnx_lora(backend)) + leaves(backend._grad_sum)
+    after = leaves(nnx_lora(backend)) + leaves(backend.state.grad_sum)
     assert all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(after, shardings))
     assert any(not s.is_fully_replicated for s in shardings)  # the check has sharded arrays to compare
 

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 import tx
 from tests.helpers import make_batch, random_datums
 from tx import types
-from tx.backends.full import FullBackend, backend_class, split_full
+from tx.backends.full import FullBackend, backend_class
+from tx.backends.full_state import split_full
 from tx.checkpoints.full import open_sampler_model
 
 FP32 = tx.JaxBackendConfig(training_mode="full", max_seq_len=64, mixed_precision={"param_dtype": "fp32"})

@@ -1,7 +1,7 @@
 """Every compiled program that runs the model, lowered for TPU and CUDA from this CPU host (`jax.export`).
 
 The programs are the ones the backends and the sampler jit, built by the same factories
-(`steps.make_model_pass`, `steps.make_optim_step`, `full.make_full_optim_step`, the jitted `commit_grads`,
+(`steps.make_model_pass`, `steps.make_optim_step`, `full_state.make_full_optim_step`, the jitted `commit_grads`,
 `paged_step.prefill_chunk` / `decode_steps`, `decode.generate`, `prompt_scores.score_prompts`) from a tiny
 MoE model loaded the way the backend loads it (`load_model` on the mesh, its "auto" kernels), with the
 inputs' shapes and shardings of a real call. Only the model's platform differs from what a CPU backend
@@ -30,8 +30,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tests.lowering import MOSAIC, abstract, assert_no_host_callbacks, custom_calls, lower, mosaic_kernels
 from tx import losses, types
-from tx.backends import batching, full, steps
-from tx.backends.full import make_full_optim_step, split_full
+from tx.backends import batching, full_state, steps
+from tx.backends.full_state import make_full_optim_step, split_full
 from tx.backends.steps import adamw, make_model_pass, make_optim_step, split_model, take_slot
 from tx.kernels import attention as attn
 from tx.models.config import LoraSlots
@@ -119,7 +119,7 @@ def lora_commit_grads(t: Target):
 def full_commit_grads(t: Target):
     _, params, _ = split_full(t.full_model)
     sums = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=x.sharding), params)
-    return full.commit_grads, (sums, sums)
+    return full_state.commit_grads, (sums, sums)
 
 
 def full_pass(mode: str) -> Callable[[Target], tuple]:
@@ -141,7 +141,7 @@ def full_optim_step(t: Target):
 
 
 def _adam_state(master, t: Target):
-    """`init_full_opt_state(master)` / `init_opt_state` abstractly: the moments float32 and shaped (and
+    """`steps.init_adamw_state(master)` / `init_opt_state` abstractly: the moments float32 and shaped (and
     sharded) like `master`, the step count replicated."""
     state = jax.eval_shape(lambda m: adamw(dict.fromkeys(("learning_rate", "beta1", "beta2", "eps", "weight_decay"),
                                                          0.0)).init(m), master)

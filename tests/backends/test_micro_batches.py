@@ -175,7 +175,7 @@ def test_micro_batches_pad_little_equal_one_big_batch_and_compile_few_shapes(tin
 
     def run(batch, budget):
         for model_id in ("a", "b"):  # start from zero sums and counters
-            backend._reset_accumulation(model_id, backend.models[model_id].adapter_index)
+            backend._reset_accumulation(model_id, grads=True)
         backend.config.train_micro_batch_tokens = budget
         shapes.clear()
         real = backend.metrics.tokens_real.get("forward_backward", 0)

@@ -57,7 +57,7 @@ def test_sampler_checkpoint_loads_in_peft_and_matches(tiny_dirs, tmp_path, name)
     got_ckpt = _prompt_logprobs(backend, checkpoint_path=tmp_path / "s.tar.gz")
     assert np.abs(got_live - want).max() <= 1e-4
     assert np.abs(got_ckpt - want).max() <= 1e-4
-    backend._snapshots.clear()  # force reading the tarball from disk
+    backend.state.snapshots.clear()  # force reading the tarball from disk
     backend.slots.forget(str(tmp_path / "s.tar.gz"))
     assert np.abs(_prompt_logprobs(backend, checkpoint_path=tmp_path / "s.tar.gz") - want).max() <= 1e-4
 
@@ -95,7 +95,7 @@ def test_sampling_a_checkpoint_while_training_and_slot_cache(tiny_dirs, tmp_path
         assert np.array_equal(training_weights[k], v)  # sampling touched no training slot
     assert not np.allclose(_prompt_logprobs(backend, model_id="a"), old)
     # repeated sampling reuses the loaded slot: no reload, even from disk
-    backend._snapshots.clear()
+    backend.state.snapshots.clear()
     backend.slots.forget(str(tmp_path / "old.tar.gz"))
     loads = backend.metrics.calls.get("load_sampler_checkpoint", 0)  # 1: re-read once the adapter stepped
     for _ in range(3):

@@ -334,6 +334,6 @@ def largest_inputs(rows: list[Row], members: list[int]) -> str:
     """The datums' inputs by largest magnitude, so an overflow names the field that caused it."""
     sizes = {field: max(float(np.abs(getattr(rows[i], field)).max(initial=0.0)) for i in members)
              for field in ("weights", "advantages", "logprobs")}
-    sizes["loss_fn_config"] = max(float(np.abs(rows[i].config).max(initial=0.0)) for i in members)
+    sizes["loss_fn_config"] = max(max(map(abs, rows[i].config.values()), default=0.0) for i in members)
     ranked = sorted(sizes.items(), key=lambda kv: -kv[1])
     return "largest |inputs|: " + ", ".join(f"{field} {size:.3g}" for field, size in ranked)

@@ -1,36 +1,37 @@
-"""JaxBackend: one process's implementation of the backend contract over a (fsdp, ep, tp) mesh.
+"""JaxBackend: one process's implementation of the backend contract over a (fsdp, ep, tp) mesh, for both
+training modes.
 
-Many adapters live in the slots of one model; forward_backward runs rows of several adapters in one
-jit-compiled call and accumulates gradient sums per slot; optim_step applies AdamW to one slot with that
-adapter's own optimizer state. The multi-host wrapper (distributed issue) broadcasts these calls.
+The backend holds the mesh, the model, the runtime (compiled programs), request validation, token-budgeted
+micro-batching, the jit-compiled model pass and the sampler. What is trained (LoRA adapters in the model's
+slots, or every base weight) is its training state, `self.state`, chosen by `config.training_mode`:
+`LoraSlotsState` (tx/backends/lora_state.py) or `FullWeightsState` (tx/backends/full_state.py). The
+multi-host wrapper (tx/distributed/backend.py) broadcasts these calls.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
-import zlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
 from tx import losses, ranks, types
 from tx.backends import batching
 from tx.backends.base import AbstractBackend
-from tx.backends.checkpointing import CheckpointMixin
 from tx.backends.config import JaxBackendConfig
+from tx.backends.full_state import FullWeightsState
+from tx.backends.lora_state import LoraSlotsState
 from tx.backends.slots import SlotTable
-from tx.backends.steps import (commit_grads, init_opt_state, make_model_pass, make_optim_step, split_model,
-                               zero_slot)
+from tx.backends.state import TrainingState
+from tx.backends.steps import make_model_pass
 from tx.kernels.attention import warn_cudnn_packed
 from tx.kernels.platform import platform_of
 from tx.log import warn_once
-from tx.models.adapters import clear_adapter, init_adapter
-from tx.models.config import LoraSlots
 from tx.models.loading import load_model, resolve_model_dir
 from tx.models.sharding import batch_spec, describe_mesh, make_mesh, put_global, to_host
 from tx.runtime import Runtime
@@ -38,8 +39,11 @@ from tx.sampling.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
+# training_mode -> the training state that serves it
+TRAINING_STATES: dict[str, type[TrainingState]] = {"lora": LoraSlotsState, "full": FullWeightsState}
 
-class JaxBackend(CheckpointMixin, AbstractBackend):
+
+class JaxBackend(AbstractBackend):
     training_mode = "lora"  # the config's training_mode this class serves (FullBackend: "full")
 
     def __init__(self, base_model: str, config: JaxBackendConfig | None = None, run_id: str | None = None):
@@ -48,11 +52,13 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         # when the coordinator hands all hosts the same run_id.
         self.run_id = run_id or uuid.uuid4().hex[:8]
         self._names = 0
-        self.config = config = config or JaxBackendConfig(training_mode=self.training_mode)
+        config = config or JaxBackendConfig(training_mode=self.training_mode)
         if config.training_mode != self.training_mode:
             raise ValueError(f"training_mode={config.training_mode!r} is served by "
                              f"{'tx.backends.full.FullBackend' if config.training_mode == 'full' else 'JaxBackend'}, "
                              f"not {type(self).__name__}")
+        state_type = TRAINING_STATES[self.training_mode]
+        self.config = config = state_type.configure(config)
         self.mesh = build_mesh(config)
         self.platform = platform_of(self.mesh)  # what every program of this backend is built for (static)
         fsdp = self.mesh.shape["fsdp"]
@@ -63,52 +69,55 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
                 "rows are split over the fsdp devices"
             )
         self.model_dir = resolve_model_dir(base_model)
-        self.model = self._load_base()
+        self._model_options = state_type.model_options(config)
+        self.model = self.load_base()
         self.max_seq_len = config.max_seq_len or self.model.config.max_position_embeddings
         self.models: dict[str, types.ModelMetadata] = {}
-        self._opt_states: dict[str, Any] = {}
         self._accumulated: dict[str, dict[str, float]] = {}
-        self.slots = SlotTable(config.max_lora_adapters)
-        self._init_snapshots()
-        _, lora, _ = split_model(self.model)
-        self._grad_sum = jax.tree.map(jnp.zeros_like, lora)
         self.metrics = types.EngineMetrics()
         self.runtime = Runtime(self.mesh, self.metrics, config.enforce_eager)
         self.programs = self.runtime.programs  # each program's last call, once enabled: tests lower the real programs
         self._planned_shapes: dict[str, set[tuple[int, int]]] = {}  # per pass: micro-batch shapes planned so far
+        self.state: TrainingState = state_type(self)
         self.sampler = Sampler(self, self.runtime, config)
 
-    def _load_base(self, dtype: str | None = None, **kw) -> nnx.Module:
-        """The base model from `model_dir` on the mesh, with this backend's LoRA slots and kernels."""
+    def load_base(self, dtype: str | None = None) -> nnx.Module:
+        """The base model from `model_dir` on the mesh, as the training state asks (its LoRA slots, dtype and
+        expert layout; `dtype` overrides the dtype), with this backend's kernels."""
         config = self.config
         return load_model(
             self.model_dir,
-            LoraSlots(max_lora_adapters=config.max_lora_adapters, max_lora_rank=config.max_lora_rank),
-            self.mesh,
-            dtype=dtype or config.dtype,
+            mesh=self.mesh,
             remat_policy=config.remat_policy if config.gradient_checkpointing else "none",
             attention_impl=config.attention_impl,
             moe_impl=config.moe_impl,
             shard_attention_heads=config.shard_attention_heads,
             rules=config.logical_axis_rules,
             platform=self.platform,
-            **kw,
+            **self._model_options | ({"dtype": dtype} if dtype else {}),
         )
-
-    def _split_trainable(self) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
-        """(graphdef, what forward_backward differentiates, everything else): here the LoRA factors."""
-        return split_model(self.model)
 
     # ---- bookkeeping ----
 
-    def _slot(self, model_id: str) -> int:
-        if model_id not in self.models:
-            raise KeyError(f"unknown model_id {model_id!r}")
-        return self.models[model_id].adapter_index
-
     def sample_slot(self, model_id: str) -> int:
         """The slot a sampling row of `model_id` reads ("" = the base model, slot 0)."""
-        return self._slot(model_id) if model_id else 0
+        return self.state.sample_slot(model_id)
+
+    def sampler_slot(self, path: str, pinned: set[int]) -> int:
+        """The slot holding sampler checkpoint `path` (see the training state's)."""
+        return self.state.sampler_slot(path, pinned)
+
+    def kv_identity(self, slot: int, tenant: str = "") -> str | None:
+        """Names the weights rows of `slot` are computed with now (the prefix cache keys KV pages by it)."""
+        return self.state.kv_identity(slot, tenant)
+
+    def holds_snapshot(self, path: str) -> bool:
+        """Whether sampler checkpoint `path` is held in memory (sampled without reading the disk)."""
+        return self.state.holds_snapshot(path)
+
+    @property
+    def slots(self) -> SlotTable:
+        return self.state.slots
 
     def debug_fail(self, message: str, process_ids: list[int], phase: str = "execute") -> None:
         """Fault injection for multi-host tests: raise `message` on the listed processes."""
@@ -119,79 +128,37 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         self._names += 1
         return f"{self.run_id}-{self._names:06d}"
 
-    def _reset_accumulation(self, model_id: str, slot: int | None = None) -> None:
-        """Forget what the adapter accumulated since its last step: counters, and gradient sums of `slot`."""
-        if slot is not None:
-            self._grad_sum = zero_slot(self._grad_sum, jnp.int32(slot))  # in place: the old sums are donated
+    def _reset_accumulation(self, model_id: str, grads: bool = False) -> None:
+        """Forget what the model accumulated since its last step: counters, and with `grads` its gradient sums."""
+        if grads:
+            self.state.reset_grads(model_id)
         self._accumulated[model_id] = {"sequences": 0, "tokens": 0}
-
-    _grad_dtype = None  # dtype of a call's gradients (None: the parameters')
 
     def has_model(self, model_id: str) -> bool:
         return model_id in self.models
 
-    # ---- adapters ----
+    # ---- models ----
 
     def create_model(self, model_id: str, lora_config: types.LoraConfig) -> None:
         if model_id in self.models:
             raise ValueError(f"model_id {model_id!r} already exists")
-        if lora_config.rank == 0:
-            raise ValueError("LoRA rank 0 means full training, which this backend (training_mode='lora') does not "
-                             "do: use training_mode='full' (python -m tx.run --training-mode full)")
-        if not 1 <= lora_config.rank <= self.config.max_lora_rank:
-            raise ValueError(f"LoRA rank {lora_config.rank} must be in [1, max_lora_rank={self.config.max_lora_rank}]")
-        slot = self.slots.take()
-        if slot is not None:
-            self._slot_changed(slot)
-        if slot is None:
-            raise ValueError(
-                f"no free adapter slot: all {self.config.max_lora_adapters - 1} slots are in use "
-                f"(max_lora_adapters={self.config.max_lora_adapters}, slot 0 is the base model)"
-            )
-        # An unseeded adapter gets a seed derived from its id: reproducible, and equal on every host.
-        seed = lora_config.seed if lora_config.seed is not None else zlib.crc32(model_id.encode())
-        try:
-            init_adapter(
-                self.model, slot, rank=lora_config.rank, alpha=lora_config.alpha, seed=seed,
-                train_attn=lora_config.train_attn, train_mlp=lora_config.train_mlp,
-                train_unembed=lora_config.train_unembed,
-            )
-            _, lora, _ = split_model(self.model)
-            self._opt_states[model_id] = init_opt_state(lora, slot, self.mesh)
-            self._reset_accumulation(model_id)
-        except BaseException:  # the slot must not leak (nor keep half an adapter)
-            self._opt_states.pop(model_id, None)
-            self._accumulated.pop(model_id, None)
-            clear_adapter(self.model, slot)
-            self.slots.release(slot)
-            raise
-        self.models[model_id] = types.ModelMetadata(
-            model_id=model_id, adapter_index=slot, lora_config=lora_config.model_copy(update={"seed": seed})
-        )
-        logger.info("created model %s in slot %d (rank %d)", model_id, slot, lora_config.rank)
+        self.models[model_id] = self.state.create(model_id, lora_config)
+        self._reset_accumulation(model_id)
 
     def delete_model(self, model_id: str) -> None:
-        slot = self._slot(model_id)
-        self._before_slot_change(model_id, unloading=True)
-        clear_adapter(self.model, slot)
-        self._reset_accumulation(model_id, slot)
-        del self.models[model_id], self._opt_states[model_id], self._accumulated[model_id]
-        self.slots.release(slot)
-        logger.info("deleted model %s, freed slot %d", model_id, slot)
+        self.state.delete(model_id)
+        del self.models[model_id], self._accumulated[model_id]
 
     def grad_sum_of(self, model_id: str) -> dict:
-        """The adapter's accumulated gradient sums, `{"dotted.path": array}` of its slot (for inspection)."""
-        slot = self._slot(model_id)
-        flat = nnx.to_flat_state(self._grad_sum)
-        return {".".join(map(str, path)): to_host(jnp.take(v.get_value(), slot, axis=-3)) for path, v in flat}
+        """The model's accumulated gradient sums, `{"dotted.path": array}` (for inspection)."""
+        return self.state.grad_sum_of(model_id)
 
     def grad_sum_bytes(self) -> int:
-        """Bytes of the gradient sums this backend holds (every slot's; global sizes, over all devices)."""
-        return sum(x.nbytes for x in jax.tree.leaves(self._grad_sum))
+        """Bytes of the gradient sums this backend holds (global sizes, over all devices)."""
+        return self.state.grad_sum_bytes()
 
     def opt_state_of(self, model_id: str) -> Any:
-        self._slot(model_id)
-        return self._opt_states[model_id]
+        return self.state.opt_state_of(model_id)
 
     # ---- forward / backward ----
 
@@ -224,7 +191,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         counters are untouched. A request whose outputs are not finite fails, and so do the other requests
         of its model in this call (their gradients are mixed in the same slot): that slot is not committed."""
         # forward may read the base model (model id "", slot 0: e.g. an RL reference policy); it is never trained
-        slot_of = self._slot if with_grad else self.sample_slot
+        slot_of = self.state.slot if with_grad else self.state.sample_slot
         rows, errors = batching.validate(batch, slot_of, self.model.config.vocab_size, self.max_seq_len)
         results: dict[str, types.ForwardBackwardOutput | types.ErrorResponse] = {}
         for r, message in errors.items():
@@ -234,7 +201,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         if self.config.attention_impl == "cudnn" and any(r.segment_ids[0] != r.segment_ids[-1] for r in rows):
             warn_cudnn_packed(self.platform)  # those micro-batches run blockwise (decided on device)
         name = "forward_backward" if with_grad else "forward"
-        graphdef, lora, frozen = self._split_trainable()
+        graphdef, lora, frozen = self.state.split_trainable(self.model)
         loss_names = batching.loss_names_of(rows)  # one program per set of losses present, evaluating only those
         extra_keys = losses.extra_input_keys(loss_names)
         aux = tuple(k for k in losses.AUX_INPUTS if any(k in losses.get(r.loss).aux for r in rows))
@@ -245,7 +212,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
             mode: self.runtime.program((mode, loss_names, losses.version(), extra_keys, aux, tempered, with_logprobs,
                                         head_lora),
                                        lambda mode=mode: make_model_pass(graphdef, self.config.loss_chunk_size, mode,
-                                                                         self.runtime.counted(name), self._grad_dtype,
+                                                                         self.runtime.counted(name), self.state.grad_dtype,
                                                                          extra_keys, aux, tempered, with_logprobs,
                                                                          head_lora, loss_names))
             for mode in (("grads", "accumulate") if with_grad else ("forward",))
@@ -315,11 +282,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         model_of = {r: batch.request_batch_slices[r][1] for r in by_request}
         slot_of = {r: rows[members[0]].adapter for r, members in by_request.items()}
         bad_slots = {slot_of[r] for r in failed}
-        allowed = np.zeros(self.config.max_lora_adapters, bool)
-        allowed[[s for s in slot_of.values() if s not in bad_slots]] = True
-        allowed_s = put_global(allowed, NamedSharding(self.mesh, P()))  # the same value on every host
-        self._grad_sum, finite_s = commit_grads(self._grad_sum, acc, allowed_s)
-        finite_s = to_host(finite_s)
+        committed = self.state.commit(acc, {s for s in slot_of.values() if s not in bad_slots})
         more: dict[int, str] = {}
         for r, slot in slot_of.items():
             members = by_request[r]
@@ -328,7 +291,7 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
             if slot in bad_slots:
                 more[r] = (f"another request of model {model_of[r]!r} in the same pass failed with non-finite "
                            "outputs; this pass's gradients for the model were dropped, retry this request")
-            elif not finite_s[slot]:
+            elif slot not in committed:
                 more[r] = (f"the gradient sums of model {model_of[r]!r} would not be finite in float32 after this "
                            f"pass ({batching.largest_inputs(rows, members)}); this pass's gradients for it were dropped")
         for r, members in by_request.items():
@@ -341,15 +304,8 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
     # ---- optimizer ----
 
     def optim_step(self, model_id: str, request_data: types.OptimStepInput) -> types.OptimStepOutput:
-        slot = self._slot(model_id)
-        self._before_slot_change(model_id)  # snapshots served from this slot keep the weights they saved
-        fn = self.runtime.program(("optim_step",), lambda: make_optim_step(self.runtime.counted("optim_step")))
         hp = {k: jnp.float32(v) for k, v in request_data.adam_params.model_dump().items()}
-        _, lora, _ = split_model(self.model)
-        lora, self._grad_sum, self._opt_states[model_id], metrics, ok = self.runtime.run(
-            "optim_step", fn, lora, self._grad_sum, self._opt_states[model_id], jnp.int32(slot), hp
-        )
-        nnx.update(self.model, lora)
+        metrics, ok = self.state.optim_step(model_id, hp)
         return self._finish_step(model_id, request_data, metrics, ok)
 
     def _finish_step(self, model_id: str, request_data: types.OptimStepInput, metrics: dict,
@@ -370,6 +326,33 @@ class JaxBackend(CheckpointMixin, AbstractBackend):
         meta = self.models[model_id]
         self.models[model_id] = meta.model_copy(update={"optim_steps": meta.optim_steps + 1})
         return types.OptimStepOutput(metrics=out)
+
+    # ---- checkpoints ----
+
+    def save_checkpoint(self, output_path, model_id: str) -> None:
+        """Save the model's training state (weights and optimizer) to `output_path`."""
+        self.state.save_checkpoint(output_path, model_id)
+
+    def checkpoint_metadata(self, checkpoint_path) -> dict:
+        """Metadata of a training checkpoint (its LoraConfig lets an engine recreate the model first)."""
+        return self.state.checkpoint_metadata(checkpoint_path)
+
+    def load_checkpoint(self, checkpoint_path, model_id: str, load_optimizer: bool = True) -> None:
+        """Restore the model's training state; nothing changes if reading or validating it fails."""
+        update = self.state.load_checkpoint(checkpoint_path, model_id, load_optimizer)
+        self._reset_accumulation(model_id, grads=True)
+        self.models[model_id] = self.models[model_id].model_copy(update=update)
+
+    def save_sampler_checkpoint(self, output_path, model_id: str, persist: bool = True) -> None:
+        self.state.save_sampler_checkpoint(output_path, model_id, persist)
+
+    def evict_sampler_checkpoint(self, path) -> None:
+        """Forget sampler checkpoint `path` (its files were deleted)."""
+        self.state.evict_sampler_checkpoint(path)
+
+    def save_external_weights(self, output_path, model_id: str, age_recipients: list[str] | None = None) -> None:
+        """The model's weights for use outside tx (PEFT adapter or HF model), age-encrypted when asked."""
+        self.state.save_external_weights(output_path, model_id, age_recipients)
 
     # ---- sampling ----
 

@@ -185,17 +185,39 @@ def adamw(hp: dict[str, jax.Array]) -> optax.GradientTransformation:
     )
 
 
-def init_opt_state(lora: nnx.State, slot: int, mesh: Mesh) -> optax.OptState:
-    """Zero Adam state for one slot; scalars (the step count) replicated on the mesh so that the first
-    and later optim_steps see identically placed inputs (no recompile)."""
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every floating value of `tree` is finite (a scalar bool)."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+                              if jnp.issubdtype(x.dtype, jnp.floating)]))
+
+
+def clip_metrics(grads: Any, hp: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The gradients' norm and the factor that clips them to `hp["grad_clip_norm"]` (1 when below it or when
+    it is 0): both training modes clip the same way. Callers scale the gradients themselves, where the
+    product is consumed (full training recomputes it inside its commit branch rather than keeping a copy)."""
+    grad_norm = optax.tree.norm(grads)
+    clip = hp["grad_clip_norm"]
+    clip_scale = jnp.where((clip > 0) & (grad_norm > clip), clip / jnp.maximum(grad_norm, 1e-30), 1.0)
+    return {"grad_norm": grad_norm, "grad_clip_scale": clip_scale}
+
+
+def init_adamw_state(params: Any, mesh: Mesh) -> optax.OptState:
+    """Zero AdamW state for `params`: moments placed like them (zeros_like keeps a committed array's sharding),
+    scalars (the step count) replicated on the mesh so that the first and later optim_steps see identically
+    placed inputs (no recompile)."""
     one = {k: 0.0 for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay")}
-    state = adamw(one).init(take_slot(lora, jnp.int32(slot)))
+    state = adamw(one).init(params)
 
     def place(x):
         on_mesh = isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh
         return x if on_mesh else put_global(np.asarray(x), NamedSharding(mesh, P()))
 
     return jax.tree.map(place, state)
+
+
+def init_opt_state(lora: nnx.State, slot: int, mesh: Mesh) -> optax.OptState:
+    """Zero Adam state for one slot (shaped like one slot's LoRA factors)."""
+    return init_adamw_state(take_slot(lora, jnp.int32(slot)), mesh)
 
 
 def make_optim_step(on_trace: Callable[[], None]) -> Callable:
@@ -208,20 +230,12 @@ def make_optim_step(on_trace: Callable[[], None]) -> Callable:
     def step(lora, grad_sum, opt_state, slot, hp):
         on_trace()
         params, grads = take_slot(lora, slot), take_slot(grad_sum, slot)
-        grad_norm = optax.tree.norm(grads)
-        clip = hp["grad_clip_norm"]
-        clip_scale = jnp.where((clip > 0) & (grad_norm > clip), clip / jnp.maximum(grad_norm, 1e-30), 1.0)
-        clipped = jax.tree.map(lambda g: g * clip_scale, grads)
+        metrics = clip_metrics(grads, hp)
+        clipped = jax.tree.map(lambda g: g * metrics["grad_clip_scale"], grads)
         updates, new_state = adamw(hp).update(clipped, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        metrics = {
-            "grad_norm": grad_norm,
-            "grad_clip_scale": clip_scale,
-            "update_norm": optax.tree.norm(updates),
-            "param_norm": optax.tree.norm(new_params),
-        }
-        checked = jax.tree.leaves((new_params, new_state, metrics))
-        ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in checked if jnp.issubdtype(x.dtype, jnp.floating)]))
+        metrics |= {"update_norm": optax.tree.norm(updates), "param_norm": optax.tree.norm(new_params)}
+        ok = all_finite((new_params, new_state, metrics))
         keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
         lora = _put_slot(lora, jax.tree.map(keep, new_params, params), slot)
         grad_sum = _put_slot(grad_sum, jax.tree.map(lambda g: jnp.where(ok, jnp.zeros_like(g), g), grads), slot)
