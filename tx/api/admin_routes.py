@@ -1,17 +1,32 @@
 """Routes about the server itself: the health check, the SDK's client configuration and telemetry, the
-models served, and the server-wide metrics (admin keys only: tenants see their own sessions' numbers at
-/api/v1/sessions/{session_id}/stats and /trace, `telemetry_routes`)."""
+models served, and the server-wide metrics and device memory (admin keys only: tenants see their own sessions'
+numbers at /api/v1/sessions/{session_id}/stats and /trace, `telemetry_routes`)."""
 
 from __future__ import annotations
 
+import jax
 from fastapi import APIRouter, Request
 
-from tx.api.common import admin_only, tenant
+from tx.api.common import admin_only, io, tenant
 from tx.api.context import ApiContext
 from tx.models.registry import family_names
 from tx.runtime import compile_cache_stats
 
 INSTEAD = "a tenant sees its own sessions' numbers at /api/v1/sessions/{session_id}/stats and /trace"
+
+MEMORY_STATS = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
+
+
+def device_memory() -> list[dict]:
+    """This process's devices and their memory (bytes; None where the platform reports none, e.g. CPU)."""
+    out = []
+    for d in jax.local_devices():
+        try:
+            stats = d.memory_stats() or {}
+        except Exception:  # noqa: BLE001 - a platform without memory stats
+            stats = {}
+        out.append({"device": str(d), "platform": d.platform, **{k: stats.get(k) for k in MEMORY_STATS}})
+    return out
 
 
 def router(ctx: ApiContext) -> APIRouter:
@@ -61,6 +76,6 @@ def router(ctx: ApiContext) -> APIRouter:
                 "backend_tokens_real": backend.tokens_real, "backend_tokens_padded": backend.tokens_padded,
                 "backend_sampling": backend.sampling,
                 "backend_calls_by_base_model": {name: b.metrics.calls for name, b in engine.backends.items()},
-                "compile_cache": compile_cache_stats()}
+                "compile_cache": compile_cache_stats(), "device_memory": await io(device_memory)}
 
     return routes

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tx.api import (
     admin_routes,
+    console_routes,
     future_routes,
     run_routes,
     sampling_routes,
@@ -32,7 +33,7 @@ from tx.engine.store import Store
 
 # in registration order, which is the order FastAPI matches paths in
 ROUTERS = (admin_routes, session_routes, training_routes, future_routes, run_routes, sampling_routes, weights_routes,
-           telemetry_routes)
+           telemetry_routes, console_routes)
 
 
 async def api_error_response(_request: Request, e: ApiError) -> JSONResponse:
@@ -60,8 +61,10 @@ def auth_middleware(config: ApiConfig) -> Callable[[Request, Callable[[Request],
             request.state.tenant = Tenant.of_key(key, admin=True)
         elif key in api_keys or config.no_auth:  # without auth each distinct key (even "") is a tenant
             request.state.tenant = Tenant.of_key(key)
-        elif request.url.path != "/api/v1/healthz" and not request.url.path.startswith(weights_routes.FILES_PREFIX):
-            # (signed download URLs carry their own authority: an HMAC over path and expiry)
+        elif (request.url.path != "/api/v1/healthz" and not request.url.path.startswith(weights_routes.FILES_PREFIX)
+              and not console_routes.is_console_path(request.url.path)):
+            # (signed download URLs carry their own authority: an HMAC over path and expiry; the console's
+            # static files hold no data: its page sends the key it signs in with on each API call)
             return JSONResponse({"detail": "missing or unknown X-API-Key"}, status_code=401)
         return await call_next(request)
 

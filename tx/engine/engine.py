@@ -33,7 +33,7 @@ from tx.engine.sampling import SamplingMixin
 from tx.engine.single_ops import SingleOpsMixin
 from tx.engine.scheduler import Round, Scheduler
 from tx.engine.store import Store
-from tx.engine.telemetry import Telemetry
+from tx.engine.telemetry import LossHistory, Telemetry
 
 logger = logging.getLogger(__name__)
 ACTIVE_S = 2.0  # a model that sent a request this recently is an active tenant, worth a batch window
@@ -60,6 +60,7 @@ class Engine(SamplingMixin, SingleOpsMixin):
         self.cond = threading.Condition()  # guards the scheduler; never held across store or backend I/O
         self.metrics: dict[str, int] = {}
         self.telemetry = Telemetry()  # per-request and per-call records: traces, session stats, Prometheus
+        self.loss_history = LossHistory()  # per model: loss and metrics by step, for the console
         self.results = ResultWriter(store, self.count, on_written=self.telemetry.finished)
         self.error: BaseException | None = None
         self.on_fatal: Callable[[], None] | None = None  # e.g. stop the HTTP server
@@ -260,6 +261,7 @@ class Engine(SamplingMixin, SingleOpsMixin):
     def _execute(self, round_: Round) -> float:
         """Run a round's training ops, then submit its sampling requests; seconds the training ops took."""
         started = time.perf_counter()
+        self.count("rounds")
         for kind, ops in round_.passes.items():
             for group in self._by_base(ops, lambda op: self._base_of.get(op.model_id)) if ops else []:
                 self._run_passes(kind, group)
@@ -300,10 +302,15 @@ class Engine(SamplingMixin, SingleOpsMixin):
         results = self._batch_call(
             kind, ops, lambda: getattr(self._backend_of(ops[0].model_id), kind)(
                 types.PreparedModelPassBatch(**batch, request_batch_slices=slices)),
-            lambda _op, out: self.encode_pass(out), tenants=tenants, datums=len(batch["all_input_ids"]))
+            lambda op, out: self._encode_pass(kind, op, out), tenants=tenants, datums=len(batch["all_input_ids"]))
         if results is not None:
             now = time.time()
             self._finish(results, [(m, {"last_request_time": now}) for m in {op.model_id for op in ops}])
+
+    def _encode_pass(self, kind: str, op: Op, out: types.ForwardBackwardOutput) -> Encoded:
+        if kind == "forward_backward":
+            self.loss_history.forward_backward(op.model_id, out.metrics, op.tokens)
+        return self.encode_pass(out)
 
     def _batch_call(self, event: str, ops: list[Op], call: Callable[[], dict], encode: Callable[[Op, Any], Encoded],
                     **fields) -> list[tuple[str, str, Encoded]] | None:

@@ -58,7 +58,9 @@ class SingleOpsMixin:
 
     def _do_optim_step(self, op: Op):
         out = self._backend_of(op.model_id).optim_step(op.model_id, types.OptimStepInput(adam_params=op.payload))
-        return {"metrics": finite_metrics(out.metrics)}, [{}]
+        metrics = finite_metrics(out.metrics)
+        self.loss_history.optim_step(op.model_id, metrics)
+        return {"metrics": metrics}, [{}]
 
     def _do_save_weights(self, op: Op):
         request: SaveRequest = op.payload

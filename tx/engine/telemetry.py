@@ -7,6 +7,9 @@ oldest records are dropped first. Next to the rings it keeps cumulative counters
 finished by kind and status, their latency (accepted -> finished) and queue-wait (accepted -> started)
 histograms, and tokens by kind. The hot path is one small record and a few dict updates per request or call,
 under a lock held for nothing else; nothing is done per token.
+
+`LossHistory` keeps, per model, its training steps (loss:sum, tokens and metrics of the forward_backward calls
+before each optim_step) for the console's loss curves.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ TRAINING_CALLS = (*PASS_KINDS, "optim_step")  # backend calls that count as trai
 MAX_REQUESTS = 100_000
 MAX_CALLS = 100_000
 MAX_QUEUE_SAMPLES = 20_000
+MAX_STEPS = 10_000  # loss history: steps kept per model (the oldest dropped first)
+MAX_HISTORIES = 10_000  # models with a loss history (the least recently trained dropped first)
 QUEUE_SAMPLE_S = 1.0  # an unchanged queue depth is sampled at most this often
 
 
@@ -242,6 +247,70 @@ class Telemetry:
             flight[session] = left
         else:
             flight.pop(session, None)
+
+
+@dataclass(slots=True)
+class StepPoint:
+    step: int  # 1 for the model's first optim_step
+    time: float  # when the optim_step finished
+    loss_sum: float  # the step's forward_backward calls' metrics["loss:sum"], added up
+    tokens: int  # their input tokens
+    passes: int  # forward_backward calls in the step
+    metrics: dict[str, float]  # their other metrics (":sum" added up, the rest the last call's) and optim_step's
+
+
+class LossHistory:
+    """Per model, a bounded list of its training steps, for the console's loss curves: forward_backward results
+    accumulate until the model's optim_step closes the step. One small dict update per request, under a lock;
+    in memory only (lost at a restart)."""
+
+    def __init__(self, max_steps: int = MAX_STEPS, max_models: int = MAX_HISTORIES):
+        self._lock = threading.Lock()
+        self.max_steps, self.max_models = max_steps, max_models
+        self._steps: dict[str, deque[StepPoint]] = {}  # model -> its steps (insertion order: least recent first)
+        self._pending: dict[str, StepPoint] = {}  # model -> forward_backward results since its last optim_step
+        self._count: dict[str, int] = {}  # model -> optim_steps seen
+
+    def forward_backward(self, model_id: str, metrics: dict[str, float], tokens: int) -> None:
+        with self._lock:
+            p = self._pending.get(model_id)
+            if p is None:
+                p = self._pending[model_id] = StepPoint(0, 0.0, 0.0, 0, 0, {})
+            p.loss_sum += float(metrics.get("loss:sum", 0.0))
+            p.tokens += tokens
+            p.passes += 1
+            for k, v in metrics.items():
+                if k != "loss:sum":
+                    p.metrics[k] = p.metrics.get(k, 0.0) + float(v) if k.endswith(":sum") else float(v)
+
+    def optim_step(self, model_id: str, metrics: dict[str, float], now: float | None = None) -> None:
+        with self._lock:
+            step = self._count.get(model_id, 0) + 1
+            self._count[model_id] = step
+            p = self._pending.pop(model_id, None) or StepPoint(0, 0.0, 0.0, 0, 0, {})
+            p.step, p.time = step, time.time() if now is None else now
+            p.metrics.update({f"optim/{k}": float(v) for k, v in metrics.items()})
+            steps = self._steps.pop(model_id, None)  # re-inserted last: the most recently trained
+            if steps is None:
+                steps = deque(maxlen=self.max_steps)
+            steps.append(p)
+            self._steps[model_id] = steps
+            while len(self._steps) > self.max_models:
+                oldest = next(iter(self._steps))
+                del self._steps[oldest]
+                self._count.pop(oldest, None)
+                self._pending.pop(oldest, None)
+
+    def of(self, model_id: str) -> tuple[list[StepPoint], StepPoint | None]:
+        """Copies of the model's steps and of its pending (not yet stepped) forward_backward results."""
+        with self._lock:
+            steps = list(self._steps.get(model_id, ()))
+            pending = self._pending.get(model_id)
+            return [_copy_step(s) for s in steps], None if pending is None else _copy_step(pending)
+
+
+def _copy_step(s: StepPoint) -> StepPoint:
+    return StepPoint(s.step, s.time, s.loss_sum, s.tokens, s.passes, dict(s.metrics))
 
 
 def _copy(r: RequestRecord) -> RequestRecord:
