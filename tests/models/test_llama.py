@@ -5,6 +5,7 @@ paged sampling == `generate`."""
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -116,3 +117,15 @@ def test_lora_training_matches_peft_and_greedy_sampling_matches_generate(llama_d
             ids = peft.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
                                 pad_token_id=0)[0, len(prompt):].tolist()
         assert sampled.sequences[0].tokens == ids, model_id
+
+
+def test_sharded_over_8_devices_equals_one_device(llama_dirs):
+    """The (fsdp, ep, tp) sharding rules hold for Llama too: with two adapters, log-probs on 8 CPU devices equal
+    one device's (the mesh shapes of the Qwen3 test)."""
+    from tests.models.test_sharding import MESHES, _run
+    from tx.models.sharding import make_mesh
+
+    _, want = _run(str(llama_dirs[False]), make_mesh(devices=jax.devices()[:1]))
+    for shape in MESHES:
+        _, got = _run(str(llama_dirs[False]), make_mesh(*shape))
+        np.testing.assert_allclose(got, want, atol=2e-5, err_msg=f"mesh {shape}")
