@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def backend(tiny_dirs):
-    return tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(max_lora_adapters=3, max_lora_rank=4, max_seq_len=32))
+    return tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(max_lora_adapters=4, max_lora_rank=4, max_seq_len=32))
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +172,32 @@ def test_session_stats(sessions):
     assert stats["latency_s"]["sample"]["count"] == 1
     for bad in ("window_s=0", "window_s=-1", "window_s=60&step_s=120"):
         assert sessions.get(f"/api/v1/sessions/{sessions.mine}/stats?{bad}").status_code == 400, bad
+
+
+def test_after_a_restart_the_session_series_and_the_loss_history_come_from_the_store(backend, tmp_path):
+    """A new server on the same store has empty rings; the session's requests (spans, tokens, latencies) and
+    its run's loss curve are what the store kept. Backend calls are not stored: none after the restart."""
+    def read(client, session: str) -> tuple[dict, dict, list[tuple[str, str]]]:
+        history = client.get(f"/api/v1/training_runs/{session}:train:0/loss_history")
+        stats = client.get(f"/api/v1/sessions/{session}/stats?window_s=600&step_s=1")
+        assert history.status_code == stats.status_code == 200, (history.text, stats.text)
+        spans = by_cat(trace(client, session), "request")
+        return history.json(), stats.json(), [(e["name"], e["args"]["request_id"]) for e in spans]
+
+    with app_client(tmp_path, backend) as client:
+        session, sent = run_session(client, forward_backward=3, optim_step=2)
+        history, stats, spans = read(client, session)
+    assert [s["step"] for s in history["steps"]] == [1, 2] and history["pending"] is None
+    assert history["steps"][0]["passes"] == 3 and history["steps"][0]["tokens"] == 3 * ROWS * LENGTH
+    with app_client(tmp_path, backend) as client:  # the restarted server
+        assert client.engine.loss_history.of(f"{session}:train:0") == ([], None)
+        again, stats_again, spans_again = read(client, session)
+    assert again == history  # every step: loss, tokens, passes, metrics and time
+    assert spans_again == spans == [(kind, rid) for kind, rid in sent]
+    assert stats_again["requests"] == stats["requests"]
+    assert {k: v["count"] for k, v in stats_again["latency_s"].items()} == \
+        {k: v["count"] for k, v in stats["latency_s"].items()}
+    for series in ("training_tokens_per_s", "sampling_tokens_per_s", "prefill_tokens_per_s"):
+        assert sum(stats_again["series"][series]) == pytest.approx(sum(stats["series"][series])), series
+    assert sum(stats_again["series"]["training_tokens_per_s"]) == pytest.approx(3 * ROWS * LENGTH)
+    assert max(stats["series"]["training_utilization"]) > 0 == max(stats_again["series"]["training_utilization"])

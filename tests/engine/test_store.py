@@ -292,6 +292,41 @@ def test_finish_futures_is_one_transaction(store):
     assert store.model("m:train:0")["status"] == "creating"
 
 
+def test_spans_and_train_steps_are_written_with_the_results(store, clock):
+    """What the console reads after a restart: each future's span and each run's steps, in one transaction."""
+    a, _ = store.add_future("forward_backward", None, "s:train:0", "s")
+    clock.tick(1)
+    b, _ = store.add_future("optim_step", None, "s:train:0", "s")
+    elsewhere, _ = store.add_future("sample", None, None, "t")
+    clock.tick(4)  # finished_at 1005
+    step = {"step": 1, "time": 1004.5, "loss_sum": 3.25, "tokens": 16, "passes": 1, "metrics": {"optim/lr": 0.001}}
+    store.finish_futures([(a, "done", "application/json", b"{}"), (b, "done", "application/json", b"{}"),
+                          (elsewhere, "failed", "application/json", b"{}")],
+                         spans={a: {"started_at": 1002.0, "size": 2, "tokens_in": 16, "tokens_out": 0},
+                                elsewhere: {"started_at": None, "size": 4, "tokens_in": 12, "tokens_out": 8}},
+                         steps=[("s:train:0", step), ("s:train:0", {**step, "step": 2, "loss_sum": 1.5})])
+    pending, _ = store.add_future("optim_step", None, "s:train:0", "s")
+    rows = store.request_spans(1005.0, "s")
+    assert [r["request_id"] for r in rows] == [a, b, pending]
+    assert rows[0] == {"request_id": a, "kind": "forward_backward", "session_id": "s", "model_id": "s:train:0",
+                       "owner": None, "created_at": 1000.0, "finished_at": 1005.0, "status": "done",
+                       "started_at": 1002.0, "size": 2, "tokens_in": 16, "tokens_out": 0}
+    assert rows[1]["size"] is None and rows[2]["status"] == "pending" and rows[2]["finished_at"] is None
+    assert [r["request_id"] for r in store.request_spans(1005.5, "s")] == [pending]  # finished before `since`
+    assert [r["tokens_out"] for r in store.request_spans(0.0, "t")] == [8]
+    assert len(store.request_spans(0.0)) == 4 and [r["request_id"] for r in store.request_spans(0.0, limit=1)] == \
+        [pending]  # the most recently accepted
+    steps = store.train_steps("s:train:0")
+    assert steps == [step, {**step, "step": 2, "loss_sum": 1.5}]
+    assert store.train_steps("s:train:0", limit=1) == steps[1:] and store.train_steps("other") == []
+    # a failing write stores no step either
+    c, _ = store.add_future("optim_step", None, "s:train:0", "s")
+    with pytest.raises(sa.exc.SQLAlchemyError):
+        store.finish_futures([(c, "done", "application/json", b"{}")], [("s:train:0", {"no_such_column": 1})],
+                             steps=[("s:train:0", {**step, "step": 3})])
+    assert len(store.train_steps("s:train:0")) == 2 and store.future(c).status == "pending"
+
+
 def test_fail_pending(store, clock):
     done, _ = store.add_future("optim_step", "k1")
     store.finish_futures([(done, "done", "application/json", b'{"ok": true}')])
@@ -428,8 +463,10 @@ def test_rows_carry_their_owner_and_listings_filter_by_it(store, clock):
 def test_schema_1_database_gets_owner_columns(url):
     """A database written by schema 1 (no owner columns) is migrated; its rows belong to nobody."""
     v1 = sa.MetaData()
+    later = ("owner", "public", *store_mod.SPAN_COLUMNS)  # the columns schemas 2-4 added
     for table in store_mod.metadata.tables.values():
-        sa.Table(table.name, v1, *[c._copy() for c in table.columns if c.name not in ("owner", "public")])
+        if table.name != "train_steps":  # schema 4's table
+            sa.Table(table.name, v1, *[c._copy() for c in table.columns if c.name not in later])
     engine = sa.create_engine(url)
     try:
         with engine.begin() as conn:
@@ -446,10 +483,43 @@ def test_schema_1_database_gets_owner_columns(url):
             assert s.list_sessions(10, 0, "tenant-a") == [new]
         finally:
             s.close()
-        assert schema_versions(url) == [SCHEMA_VERSION] == [3]
+        assert schema_versions(url) == [SCHEMA_VERSION] == [4]
         for table in store_mod.OWNED_TABLES:
             assert "owner" in columns(url, table.name)
             assert f"ix_{table.name}_owner" in {i["name"] for i in sa.inspect(engine).get_indexes(table.name)}
+    finally:
+        engine.dispose()
+
+
+def test_schema_3_database_gets_spans_and_train_steps(url):
+    """A schema 3 database (no span columns, no train_steps) is migrated; its futures keep their rows."""
+    v3 = sa.MetaData()
+    for table in store_mod.metadata.tables.values():
+        if table.name != "train_steps":
+            sa.Table(table.name, v3, *[c._copy() for c in table.columns if c.name not in store_mod.SPAN_COLUMNS])
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as conn:
+            v3.create_all(conn)
+            conn.execute(v3.tables["tx_schema"].insert().values(version=3))
+            conn.execute(v3.tables["futures"].insert().values(
+                request_id="req-old", kind="optim_step", session_id="s", status="done", created_at=1.0,
+                finished_at=2.0))
+        s = Store(url)
+        try:
+            (old,) = s.request_spans(0.0, "s")
+            assert old["request_id"] == "req-old" and old["started_at"] is None and old["size"] is None
+            new, _ = s.add_future("optim_step", None, "s:train:0", "s")
+            s.finish_futures([(new, "done", "application/json", b"{}")], spans={new: {"size": 1}},
+                             steps=[("s:train:0", {"step": 1, "time": 3.0, "loss_sum": 0.5, "tokens": 4,
+                                                   "passes": 1, "metrics": {}})])
+            assert [r["size"] for r in s.request_spans(0.0, "s")] == [None, 1]
+            assert [r["step"] for r in s.train_steps("s:train:0")] == [1]
+        finally:
+            s.close()
+        assert schema_versions(url) == [4]
+        assert set(store_mod.SPAN_COLUMNS) <= set(columns(url, "futures"))
+        assert "ix_futures_finished_at" in {i["name"] for i in sa.inspect(engine).get_indexes("futures")}
     finally:
         engine.dispose()
 
@@ -633,8 +703,10 @@ def test_sqlite_reads_do_not_wait_for_an_open_write(tmp_path):
 def test_schema_2_database_gets_public_column(url):
     """A schema-2 database (no checkpoints.public) is migrated; its checkpoints stay private."""
     v2 = sa.MetaData()
+    later = ("public", *store_mod.SPAN_COLUMNS)  # the columns schemas 3-4 added
     for table in store_mod.metadata.tables.values():
-        sa.Table(table.name, v2, *[c._copy() for c in table.columns if c.name != "public"])
+        if table.name != "train_steps":  # schema 4's table
+            sa.Table(table.name, v2, *[c._copy() for c in table.columns if c.name not in later])
     engine = sa.create_engine(url)
     try:
         with engine.begin() as conn:
@@ -653,6 +725,6 @@ def test_schema_2_database_gets_public_column(url):
             assert s.checkpoint("m:train:0", "weights", "c1")["public"] is True
         finally:
             s.close()
-        assert schema_versions(url) == [SCHEMA_VERSION] == [3]
+        assert schema_versions(url) == [SCHEMA_VERSION] == [4]
     finally:
         engine.dispose()

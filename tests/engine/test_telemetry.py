@@ -95,6 +95,22 @@ def test_the_ring_is_bounded_but_keeps_open_requests():
     assert finished == {("forward_backward", "done"): 3}  # the counters never drop
 
 
+def test_a_busy_session_does_not_drop_another_sessions_calls():
+    """Each session keeps its own bounded call ring: s2 filling the server-wide ring leaves s1's calls; the
+    least recently called session's ring goes first when there are too many."""
+    t = Telemetry(max_calls=4, max_session_calls=3, max_call_sessions=2)
+    for i in range(2):
+        t.call("forward_backward", "tiny", float(i), i + 0.5, 2, 16, True, {"s1": (2, 16)})
+    for i in range(2, 12):
+        t.call("forward_backward", "tiny", float(i), i + 0.5, 2, 16, True, {"s2": (1, 8), "": (1, 8)})
+    assert [c.start for c in t.snapshot(session_id="s1")[1]] == [0.0, 1.0]
+    assert [c.start for c in t.snapshot(session_id="s2")[1]] == [9.0, 10.0, 11.0]  # its own bound
+    assert [c.start for c in t.snapshot()[1]] == [8.0, 9.0, 10.0, 11.0]  # the server-wide ring
+    assert [c.start for c in t.snapshot(5.0, session_id="s1")[1]] == []  # `since` still applies
+    t.call("optim_step", "tiny", 12.0, 12.5, 1, 0, True, {"s3": (1, 0)})  # s1 is the least recently called
+    assert t.snapshot(session_id="s1")[1] == [] and len(t.snapshot(session_id="s2")[1]) == 3
+
+
 def test_snapshot_since_keeps_what_ended_later_and_what_is_open():
     t = Telemetry()
     early, late, still = fb("early"), fb("late"), fb("open")

@@ -9,7 +9,8 @@ every view shows what that key may read: its own sessions and runs, or every ten
 - `GET /api/v1/console/sessions`: the key's sessions (an admin: everyone's), newest first, with their status,
   times and the ids of their training runs and sampling sessions.
 - `GET /api/v1/training_runs/{run_id}/loss_history`: the run's steps (loss:sum, tokens, metrics of the
-  forward_backward calls before each optim_step), from the engine's in-memory `LossHistory` (lost at a restart);
+  forward_backward calls before each optim_step), from the engine's in-memory `LossHistory`, else (after a
+  restart) from the store's `train_steps`;
   the run's owner or an admin, else the 404 of an unknown run.
 """
 
@@ -23,6 +24,7 @@ from fastapi.responses import Response
 
 from tx.api.common import ApiError, io, iso, owned, page, tenant
 from tx.api.context import ApiContext
+from tx.engine.telemetry import step_of_row
 
 PREFIX = "/console"
 FILES = {"index.html": "text/html; charset=utf-8", "console.js": "text/javascript; charset=utf-8",
@@ -91,6 +93,8 @@ def router(ctx: ApiContext) -> APIRouter:
     async def loss_history(run_id: str, request: Request):
         owned(await io(store.model, run_id), tenant(request), f"training run {run_id!r}")
         steps, pending = engine.loss_history.of(run_id)
+        if not steps:  # trained before a restart (or dropped from memory): the stored steps
+            steps = [step_of_row(row) for row in await io(store.train_steps, run_id)]
 
         def point(s) -> dict:
             return {"step": s.step, "time": s.time or None, "loss_sum": number(s.loss_sum), "tokens": s.tokens,

@@ -9,7 +9,8 @@
 - `GET /api/v1/trace` and `GET /api/v1/stats`: the same for the whole server; admin keys only.
 
 Records come from the engine's in-memory rings (`tx/engine/telemetry.py`): the last 100k requests and backend
-calls, lost at a restart.
+calls. Requests the rings no longer hold (from before a restart, or dropped by a busy server) come from the
+store, which keeps each request's span with its result; backend calls are not stored (lost at a restart).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fastapi.responses import Response
 from tx.api import prometheus, timeline
 from tx.api.common import ApiError, admin_only, io, owned, tenant
 from tx.api.context import ApiContext
+from tx.engine.telemetry import CallRecord, QueueSample, RequestRecord, stored_record
 
 MAX_WINDOW_S = 7 * 24 * 3600
 SERVER_TRACE_S = 300.0  # the server-wide trace's default window
@@ -54,9 +56,19 @@ def router(ctx: ApiContext) -> APIRouter:
     async def session_of(session_id: str, request: Request) -> None:
         owned(await io(store.session, session_id), tenant(request), f"session_id {session_id!r}")
 
+    def records(since: float, session_id: str | None = None
+                ) -> tuple[list[RequestRecord], list[CallRecord], list[QueueSample]]:
+        """The rings' records since `since` plus the stored requests they do not hold."""
+        requests, calls, queue = telemetry.snapshot(since, session_id)
+        held = {r.request_id for r in requests}
+        stored = [stored_record(row) for row in store.request_spans(since, session_id) if row["request_id"] not in held]
+        if stored:
+            requests = sorted(requests + stored, key=lambda r: r.accepted)
+        return requests, calls, queue
+
     def session_trace(session_id: str, window_s: float | None, totals: bool) -> dict:
         now = time.time()
-        requests, calls, _ = telemetry.snapshot(now - window_s if window_s else 0.0, session_id)
+        requests, calls, _ = records(now - window_s if window_s else 0.0, session_id)
         return timeline.chrome_trace(requests, calls, [], now, session_id, totals)
 
     @routes.get("/api/v1/sessions/{session_id}/trace")
@@ -68,7 +80,7 @@ def router(ctx: ApiContext) -> APIRouter:
 
     def window_stats(session_id: str | None, window_s: float, step_s: float | None) -> dict:
         now = time.time()
-        requests, calls, _ = telemetry.snapshot(now - window_s, session_id)
+        requests, calls, _ = records(now - window_s, session_id)
         return timeline.stats(requests, calls, now, window_s, step_s, session_id)
 
     @routes.get("/api/v1/sessions/{session_id}/stats")
@@ -80,7 +92,7 @@ def router(ctx: ApiContext) -> APIRouter:
 
     def server_trace(window_s: float) -> dict:
         now = time.time()
-        requests, calls, queue = telemetry.snapshot(now - window_s)
+        requests, calls, queue = records(now - window_s)
         return timeline.chrome_trace(requests, calls, queue, now, None, True)
 
     @routes.get("/api/v1/trace")

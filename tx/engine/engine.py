@@ -20,6 +20,7 @@ import sqlalchemy as sa
 
 from tx import types
 from tx.checkpoints import storage
+from tx.engine import paths
 from tx.engine.config import EngineConfig  # noqa: F401 - re-exported
 from tx.engine.ops import Op, RequestTooLarge, UserError
 from tx.engine.results import (  # noqa: F401
@@ -61,7 +62,8 @@ class Engine(SamplingMixin, SingleOpsMixin):
         self.metrics: dict[str, int] = {}
         self.telemetry = Telemetry()  # per-request and per-call records: traces, session stats, Prometheus
         self.loss_history = LossHistory()  # per model: loss and metrics by step, for the console
-        self.results = ResultWriter(store, self.count, on_written=self.telemetry.finished)
+        self.results = ResultWriter(store, self.count, on_written=self.telemetry.finished,
+                                    span_of=self.telemetry.span_of)
         self.error: BaseException | None = None
         self.on_fatal: Callable[[], None] | None = None  # e.g. stop the HTTP server
         self._stop = False
@@ -122,7 +124,9 @@ class Engine(SamplingMixin, SingleOpsMixin):
         with self.cond:
             self._check_seq(kind, model_id, seq_id)
         try:
-            request_id, created = self.store.add_future(kind, dedup_key, model_id, session_id, owner)
+            # the session a model's request belongs to is stored with it (the console's series after a restart)
+            session = session_id if session_id is not None or model_id is None else paths.session_of(model_id)
+            request_id, created = self.store.add_future(kind, dedup_key, model_id, session, owner)
         except sa.exc.IntegrityError:  # the same dedup_key raced in from another thread
             return self.store.future_by_key(dedup_key)
         if not created:
@@ -357,8 +361,12 @@ class Engine(SamplingMixin, SingleOpsMixin):
             self._finish([(op.request_id, "failed", self._failure(e))], updates)
             return
         now = time.time()
-        self._finish([(op.request_id, "done", json_payload(result))],
-                     [(op.model_id, {"last_request_time": now, **u}) for u in updates] if op.model_id else [])
+        steps = []
+        if op.kind == "optim_step":  # closes a step of the run's loss history, stored with the result
+            steps = [(op.model_id, self.loss_history.optim_step(op.model_id, result["metrics"], now))]
+        self.results.finish([(op.request_id, "done", json_payload(result))],
+                            [(op.model_id, {"last_request_time": now, **u}) for u in updates] if op.model_id else [],
+                            steps)
 
     # ---- housekeeping: expired sessions and checkpoints ----
 

@@ -27,6 +27,7 @@ Result = tuple[str, str, Encoded]  # (request_id, "done" | "failed", (content_ty
 class _Kept:
     results: list[Result]
     model_updates: list[tuple[str, dict]]
+    steps: list[tuple[str, dict]]
     since: float
     error: str
 
@@ -57,11 +58,14 @@ def _note(message: str) -> Encoded:
 
 class ResultWriter:
     def __init__(self, store, count: Callable[[str], None], attempts: int = 5, backoff_s: float = 0.05,
-                 max_kept_bytes: int = 256 << 20, on_written: Callable[[list[tuple[str, str]]], None] | None = None):
-        """`on_written`: called with (request_id, status) of the futures each write made visible."""
+                 max_kept_bytes: int = 256 << 20, on_written: Callable[[list[tuple[str, str]]], None] | None = None,
+                 span_of: Callable[[str], dict | None] | None = None):
+        """`on_written`: called with (request_id, status) of the futures each write made visible; `span_of`:
+        a request's span columns (`store.SPAN_COLUMNS`) to write with its result, None when unknown."""
         self.store = store
         self.count = count
         self.on_written = on_written
+        self.span_of = span_of
         self.attempts = attempts
         self.backoff_s = backoff_s
         self.max_kept_bytes = max_kept_bytes
@@ -86,20 +90,22 @@ class ResultWriter:
 
     # ---- writing ----
 
-    def finish(self, results: Iterable[Result], model_updates: Iterable[tuple[str, dict]] = ()) -> bool:
-        """Write `results` and model row changes in one transaction, retrying briefly. False: the store
-        refused them and they are kept (written by a later `flush`)."""
-        results, model_updates = list(results), list(model_updates)
+    def finish(self, results: Iterable[Result], model_updates: Iterable[tuple[str, dict]] = (),
+               steps: Iterable[tuple[str, dict]] = ()) -> bool:
+        """Write `results`, model row changes and training steps (model_id, `store.train_steps` row) in one
+        transaction, retrying briefly. False: the store refused them and they are kept (written by a later
+        `flush`)."""
+        results, model_updates, steps = list(results), list(model_updates), list(steps)
         with self._write_lock:
             if self.kept and not self._flush():  # older results first; the store is still refusing
-                self._keep(results, model_updates, self.kept[-1].error)
+                self._keep(results, model_updates, steps, self.kept[-1].error)
                 return False
             error = None
             for attempt in range(self.attempts):
                 if attempt:
                     time.sleep(self.backoff_s * 2 ** (attempt - 1))
                 try:
-                    self._write(results, model_updates)
+                    self._write(results, model_updates, steps)
                 except Exception as e:  # noqa: BLE001 - any store failure: the results must not be lost
                     error = f"{type(e).__name__}: {e}"
                     self.count("store_write_errors")
@@ -108,7 +114,7 @@ class ResultWriter:
                 return True
             logger.error("could not write %d results after %d attempts (%s); keeping them to write when the "
                          "store recovers", len(results), self.attempts, error)
-            self._keep(results, model_updates, error)
+            self._keep(results, model_updates, steps, error)
             return False
 
     def flush(self) -> bool:
@@ -121,14 +127,14 @@ class ResultWriter:
             kept = self.kept[0]
             written = kept.results
             try:
-                self._write(kept.results, kept.model_updates)
+                self._write(kept.results, kept.model_updates, kept.steps)
             except Exception as e:  # noqa: BLE001 - maybe only the full results do not fit: try short notes
                 self.count("store_write_errors")
                 message = (f"this request ran, but its result could not be stored ({type(e).__name__}: {e}; "
                            f"first failure {time.time() - kept.since:.0f} s ago: {kept.error})")
                 notes = [(rid, "failed", _note(message)) for rid, _, _ in kept.results]
                 try:
-                    self._write(notes, kept.model_updates)
+                    self._write(notes, kept.model_updates, kept.steps)
                 except Exception:  # noqa: BLE001 - the store still refuses writes: try again later
                     return False
                 written = notes
@@ -138,16 +144,22 @@ class ResultWriter:
                            time.time() - kept.since)
         return True
 
-    def _keep(self, results: list[Result], model_updates: list[tuple[str, dict]], error: str) -> None:
+    def _keep(self, results: list[Result], model_updates: list[tuple[str, dict]], steps: list[tuple[str, dict]],
+              error: str) -> None:
         used = sum(k.nbytes() for k in self.kept)
         if used + sum(len(body) for _, _, (_, body) in results) > self.max_kept_bytes:
             # memory is bounded: past the cap only a failure note is kept for each request
             message = f"this request ran, but its result could not be stored: {error}"
             results = [(rid, "failed", _note(message)) for rid, _, _ in results]
-        self.kept.append(_Kept(results, model_updates, time.time(), error))
+        self.kept.append(_Kept(results, model_updates, steps, time.time(), error))
 
-    def _write(self, results: list[Result], model_updates: list[tuple[str, dict]]) -> None:
-        self.store.finish_futures([(rid, status, ct, body) for rid, status, (ct, body) in results], model_updates)
+    def _write(self, results: list[Result], model_updates: list[tuple[str, dict]],
+               steps: list[tuple[str, dict]]) -> None:
+        spans = {}
+        if self.span_of is not None:
+            spans = {rid: span for rid, _, _ in results if (span := self.span_of(rid)) is not None}
+        self.store.finish_futures([(rid, status, ct, body) for rid, status, (ct, body) in results], model_updates,
+                                  spans, steps)
 
     def _written(self, results: list[Result]) -> None:
         if self.on_written is not None:  # before the watchers wake: a woken client then sees its record finished

@@ -58,9 +58,7 @@ class SingleOpsMixin:
 
     def _do_optim_step(self, op: Op):
         out = self._backend_of(op.model_id).optim_step(op.model_id, types.OptimStepInput(adam_params=op.payload))
-        metrics = finite_metrics(out.metrics)
-        self.loss_history.optim_step(op.model_id, metrics)
-        return {"metrics": metrics}, [{}]
+        return {"metrics": finite_metrics(out.metrics)}, [{}]
 
     def _do_save_weights(self, op: Op):
         request: SaveRequest = op.payload

@@ -22,7 +22,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 metadata = sa.MetaData()
 
@@ -67,8 +67,29 @@ futures = sa.Table(
     sa.Column("content_type", sa.String(64)),
     sa.Column("result", sa.LargeBinary),
     sa.Column("created_at", sa.Float, nullable=False),
-    sa.Column("finished_at", sa.Float),
+    sa.Column("finished_at", sa.Float, index=True),
     sa.Column("owner", sa.String(64), index=True),
+    # the request's span, written with its result (schema 4): when its backend call started, its datums or
+    # sequences, input (prompt) tokens and sampled tokens; the console's series and traces after a restart
+    sa.Column("started_at", sa.Float),
+    sa.Column("size", sa.Integer),
+    sa.Column("tokens_in", sa.Integer),
+    sa.Column("tokens_out", sa.Integer),
+)
+SPAN_COLUMNS = ("started_at", "size", "tokens_in", "tokens_out")
+
+# a training run's loss history: one row per optim_step (the forward_backward calls before it added up),
+# written with the optim_step's result. A surrogate key: a repeated step number can never fail that write.
+train_steps = sa.Table(
+    "train_steps", metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("model_id", sa.String(160), nullable=False, index=True),
+    sa.Column("step", sa.Integer, nullable=False),  # 1 for the run's first optim_step
+    sa.Column("time", sa.Float, nullable=False),
+    sa.Column("loss_sum", sa.Float, nullable=False),
+    sa.Column("tokens", sa.Integer, nullable=False),
+    sa.Column("passes", sa.Integer, nullable=False),
+    sa.Column("metrics", sa.JSON, nullable=False),
 )
 
 checkpoints = sa.Table(
@@ -114,8 +135,20 @@ def _add_public_column(conn: Connection) -> None:
     conn.exec_driver_sql("ALTER TABLE checkpoints ADD COLUMN public BOOLEAN NOT NULL DEFAULT FALSE")
 
 
+def _add_span_columns(conn: Connection) -> None:
+    """Schema 3 -> 4: futures gain their span's columns (existing rows: none); `train_steps` is a new table,
+    made by `create_all` before the migrations run."""
+    kinds = {"started_at": "FLOAT", "size": "INTEGER", "tokens_in": "INTEGER", "tokens_out": "INTEGER"}
+    for name in SPAN_COLUMNS:
+        conn.exec_driver_sql(f"ALTER TABLE futures ADD COLUMN {name} {kinds[name]}")
+    for index in futures.indexes:
+        if "finished_at" in index.columns:
+            index.create(conn, checkfirst=True)
+
+
 # version -> function upgrading a database from `version` to `version + 1`
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _add_owner_columns, 2: _add_public_column}
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {
+    1: _add_owner_columns, 2: _add_public_column, 3: _add_span_columns}
 
 
 class SchemaError(RuntimeError):
@@ -300,15 +333,43 @@ class Store:
             return conn.execute(sa.select(futures.c.request_id).where(futures.c.dedup_key == dedup_key)).scalar()
 
     def finish_futures(self, results: Iterable[tuple[str, str, str, bytes]],
-                       model_updates: Iterable[tuple[str, dict]] = ()) -> None:
-        """Write (request_id, status, content_type, payload) results and model changes in one transaction."""
-        now = time.time()
+                       model_updates: Iterable[tuple[str, dict]] = (), spans: dict[str, dict] | None = None,
+                       steps: Iterable[tuple[str, dict]] = ()) -> None:
+        """Write (request_id, status, content_type, payload) results, model changes, the requests' `spans`
+        (request_id -> values of SPAN_COLUMNS) and training steps ((model_id, train_steps row)) in one
+        transaction."""
+        now, spans = time.time(), spans or {}
         with self.engine.begin() as conn:
             for request_id, status, content_type, payload in results:
                 conn.execute(futures.update().where(futures.c.request_id == request_id).values(
-                    status=status, content_type=content_type, result=payload, finished_at=now))
+                    status=status, content_type=content_type, result=payload, finished_at=now,
+                    **spans.get(request_id, {})))
             for model_id, values in model_updates:
                 conn.execute(models.update().where(models.c.model_id == model_id).values(**values))
+            for model_id, step in steps:
+                conn.execute(train_steps.insert().values(model_id=model_id, **step))
+
+    def request_spans(self, since: float, session_id: str | None = None, limit: int = 100_000) -> list[dict]:
+        """The requests (of one session, or all) finished at or after `since` or still pending, the most
+        recently accepted `limit` of them, oldest first: request_id, kind, session_id, model_id, owner,
+        created_at, finished_at, status and SPAN_COLUMNS (None for rows written before schema 4)."""
+        c = futures.c
+        query = sa.select(c.request_id, c.kind, c.session_id, c.model_id, c.owner, c.created_at, c.finished_at,
+                          c.status, *(c[name] for name in SPAN_COLUMNS))
+        query = query.where(sa.or_(c.finished_at >= since, c.finished_at.is_(None)))
+        if session_id is not None:
+            query = query.where(c.session_id == session_id)
+        with self._reads.connect() as conn:
+            rows = conn.execute(query.order_by(c.created_at.desc()).limit(limit)).mappings().all()
+        return [dict(r) for r in reversed(rows)]
+
+    def train_steps(self, model_id: str, limit: int = 10_000) -> list[dict]:
+        """The run's last `limit` training steps, in order (step, time, loss_sum, tokens, passes, metrics)."""
+        c = train_steps.c
+        query = sa.select(c.step, c.time, c.loss_sum, c.tokens, c.passes, c.metrics).where(c.model_id == model_id)
+        with self._reads.connect() as conn:
+            rows = conn.execute(query.order_by(c.id.desc()).limit(limit)).mappings().all()
+        return [dict(r) for r in reversed(rows)]
 
     def fail_pending(self, message: str) -> int:
         """At start-up: requests accepted by a previous server that never ran cannot run now."""

@@ -10,6 +10,10 @@ under a lock held for nothing else; nothing is done per token.
 
 `LossHistory` keeps, per model, its training steps (loss:sum, tokens and metrics of the forward_backward calls
 before each optim_step) for the console's loss curves.
+
+What survives a restart is in the store: each future's span (`span_of`, written with its result) and each
+training step (a `train_steps` row written with its optim_step's result); the API merges those into what it
+reads from here (`tx/api/telemetry_routes.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ TRAINING_CALLS = (*PASS_KINDS, "optim_step")  # backend calls that count as trai
 MAX_REQUESTS = 100_000
 MAX_CALLS = 100_000
 MAX_QUEUE_SAMPLES = 20_000
+MAX_SESSION_CALLS = 10_000  # calls kept per session besides the server-wide ring
+MAX_CALL_SESSIONS = 1_000  # sessions with their own call ring (the least recently called dropped first)
 MAX_STEPS = 10_000  # loss history: steps kept per model (the oldest dropped first)
 MAX_HISTORIES = 10_000  # models with a loss history (the least recently trained dropped first)
 QUEUE_SAMPLE_S = 1.0  # an unchanged queue depth is sampled at most this often
@@ -87,6 +93,15 @@ class Histogram:
         return Histogram(list(self.counts), self.total)
 
 
+def stored_record(row: dict) -> RequestRecord:
+    """A request as the store keeps it (`Store.request_spans`): one the in-memory ring no longer holds (it
+    ran before a restart, or the ring dropped it). Rows from before schema 4 have no span: 1 row, no tokens."""
+    status = None if row["status"] == "pending" else row["status"]
+    return RequestRecord(row["request_id"], row["kind"], row["session_id"], row["model_id"], row["owner"], None,
+                         row["created_at"], row["size"] or 1, row["tokens_in"] or 0, row["started_at"],
+                         row["finished_at"], status, row["tokens_out"] or 0)
+
+
 def session_of(op: Op) -> str | None:
     """The session a request belongs to: its own, else the one its model was created in."""
     if op.session_id is not None:
@@ -96,10 +111,15 @@ def session_of(op: Op) -> str | None:
 
 class Telemetry:
     def __init__(self, max_requests: int = MAX_REQUESTS, max_calls: int = MAX_CALLS,
-                 max_queue_samples: int = MAX_QUEUE_SAMPLES):
+                 max_queue_samples: int = MAX_QUEUE_SAMPLES, max_session_calls: int = MAX_SESSION_CALLS,
+                 max_call_sessions: int = MAX_CALL_SESSIONS):
         self._lock = threading.Lock()
         self.requests: deque[RequestRecord] = deque(maxlen=max_requests)
         self.calls: deque[CallRecord] = deque(maxlen=max_calls)
+        # session -> the calls that ran its requests (the same records): a busy tenant filling the server-wide
+        # ring does not drop another session's calls sooner than its own traffic would
+        self._session_calls: dict[str, deque[CallRecord]] = {}
+        self.max_session_calls, self.max_call_sessions = max_session_calls, max_call_sessions
         self.queue: deque[QueueSample] = deque(maxlen=max_queue_samples)
         self._open: dict[str, RequestRecord] = {}  # not finished yet (also when the ring dropped them)
         self._flight: dict[str, dict[str, int]] = {}  # base model -> session -> sequences sampling
@@ -171,6 +191,16 @@ class Telemetry:
                             tuple((s, r, t) for s, (r, t) in (shares or {}).items()))
         with self._lock:
             self.calls.append(record)
+            for session, _, _ in record.shares:
+                if not session:
+                    continue
+                ring = self._session_calls.pop(session, None)  # re-inserted last: the most recently called
+                if ring is None:
+                    ring = deque(maxlen=self.max_session_calls)
+                ring.append(record)
+                self._session_calls[session] = ring
+            while len(self._session_calls) > self.max_call_sessions:
+                del self._session_calls[next(iter(self._session_calls))]
 
     def call_of(self, kind: str, base_model: str, start: float, end: float, ops: list[Op], ok: bool) -> None:
         """A call that ran `ops` (rows: their datums or sequences; tokens: their input or prompt tokens)."""
@@ -182,6 +212,13 @@ class Telemetry:
             shares[session] = (r + op.size, t + tokens)
         self.call(kind, base_model, start, end, sum(op.size for op in ops), sum(t for _, t in shares.values()), ok,
                   shares)
+
+    def span_of(self, request_id: str) -> dict | None:
+        """An open request's span as the store keeps it (`store.SPAN_COLUMNS`); None when not open."""
+        with self._lock:
+            if (r := self._open.get(request_id)) is None:
+                return None
+            return {"started_at": r.started, "size": r.size, "tokens_in": r.tokens_in, "tokens_out": r.tokens_out}
 
     def sampling_shares(self, base_model: str) -> dict[str, tuple[int, int]]:
         """Session -> (sequences in flight, 0) on `base_model`: the rows of its next sample_step (session ""
@@ -205,10 +242,10 @@ class Telemetry:
                  ) -> tuple[list[RequestRecord], list[CallRecord], list[QueueSample]]:
         """Copies of the records of requests and calls that ended at or after `since` (or are still open) and
         the queue samples since then; only one session's requests and calls when `session_id` is given
-        (queue samples are server-wide: none for a session)."""
+        (queue samples are server-wide: none for a session; its calls come from its own ring)."""
         with self._lock:  # the rings are copied (fast, in C) under the lock; filtered outside it
-            ring, still_open, calls, queue = list(self.requests), list(self._open.values()), list(self.calls), \
-                list(self.queue)
+            ring, still_open, queue = list(self.requests), list(self._open.values()), list(self.queue)
+            calls = list(self.calls if session_id is None else self._session_calls.get(session_id, ()))
         ringed = {id(r) for r in ring}
         picked = [r for r in ring + [r for r in still_open if id(r) not in ringed]
                   if (session_id is None or r.session_id == session_id) and (r.finished is None or r.finished >= since)]
@@ -262,7 +299,7 @@ class StepPoint:
 class LossHistory:
     """Per model, a bounded list of its training steps, for the console's loss curves: forward_backward results
     accumulate until the model's optim_step closes the step. One small dict update per request, under a lock;
-    in memory only (lost at a restart)."""
+    the closed steps are also stored (the engine writes the row `optim_step` returns)."""
 
     def __init__(self, max_steps: int = MAX_STEPS, max_models: int = MAX_HISTORIES):
         self._lock = threading.Lock()
@@ -283,7 +320,8 @@ class LossHistory:
                 if k != "loss:sum":
                     p.metrics[k] = p.metrics.get(k, 0.0) + float(v) if k.endswith(":sum") else float(v)
 
-    def optim_step(self, model_id: str, metrics: dict[str, float], now: float | None = None) -> None:
+    def optim_step(self, model_id: str, metrics: dict[str, float], now: float | None = None) -> dict:
+        """Close the model's step; returns it as a `store.train_steps` row (without model_id)."""
         with self._lock:
             step = self._count.get(model_id, 0) + 1
             self._count[model_id] = step
@@ -300,6 +338,7 @@ class LossHistory:
                 del self._steps[oldest]
                 self._count.pop(oldest, None)
                 self._pending.pop(oldest, None)
+            return step_row(p)
 
     def of(self, model_id: str) -> tuple[list[StepPoint], StepPoint | None]:
         """Copies of the model's steps and of its pending (not yet stepped) forward_backward results."""
@@ -307,6 +346,15 @@ class LossHistory:
             steps = list(self._steps.get(model_id, ()))
             pending = self._pending.get(model_id)
             return [_copy_step(s) for s in steps], None if pending is None else _copy_step(pending)
+
+
+def step_row(s: StepPoint) -> dict:
+    return {"step": s.step, "time": s.time, "loss_sum": s.loss_sum, "tokens": s.tokens, "passes": s.passes,
+            "metrics": dict(s.metrics)}
+
+
+def step_of_row(row: dict) -> StepPoint:
+    return StepPoint(row["step"], row["time"], row["loss_sum"], row["tokens"], row["passes"], dict(row["metrics"]))
 
 
 def _copy_step(s: StepPoint) -> StepPoint:
