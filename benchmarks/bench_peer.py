@@ -305,7 +305,6 @@ def child(spec: dict) -> None:
     engine = (TxEngine if engine_name == "tx" else SkyrlEngine)(spec["model_dir"], adapters, seq, extra)
     settings = engine.backend.config.model_dump(exclude_defaults=True)
     if engine_name == "tx":
-        settings["sample_engine"] = engine.backend.config.sample_engine
         settings["tx_package"] = tx_package  # which tx ran (--tx-source)
     for logger in ("tx", "skyrl"):  # per-step INFO lines would be timed too
         logging.getLogger(logger).setLevel(logging.WARNING)

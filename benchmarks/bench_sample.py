@@ -11,10 +11,10 @@ Prints one JSON line per (framework, workload) and a ratio line per workload.
 
 `--workload rl`: an RL sampling load through `backend.sample` in one call: `--rl-prompts` prompts of
 `--rl-prompt-len` tokens, `--rl-samples` samples each (T = 1, seeded, no stop), `max_tokens` drawn per
-request uniformly in [16, 256]; tx with each `--engine` (paged: shared prompt prefill, continuous batching;
-static: padded batches) and transformers + PEFT `generate(num_return_sequences=...)` per prompt. Each tx
-engine runs the workload twice and reports the second (warm) run. Reports generated tokens/s, prefill
-tokens computed, peak KV-cache bytes and the process's peak RSS during the timed run.
+request uniformly in [16, 256]; tx's paged engine (shared prompt prefill, continuous batching) and
+transformers + PEFT `generate(num_return_sequences=...)` per prompt. tx runs the workload twice and reports
+the second (warm) run. Reports generated tokens/s, prefill tokens computed, peak KV-cache bytes and the
+process's peak RSS during the timed run.
 """
 
 from __future__ import annotations
@@ -36,16 +36,15 @@ def prompts_for(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
 
 
 class TxRunner:
-    name = "tx"
+    name = "tx-paged"  # the name earlier results carry (there was a "tx-static" engine too)
 
-    def __init__(self, model_dir: Path, adapters: int, args, engine: str = "static"):
+    def __init__(self, model_dir: Path, adapters: int, args):
         import tx
         from tx import types
 
         self.types = types
-        self.name = f"tx-{engine}"
         self.backend = tx.JaxBackend(str(model_dir), tx.JaxBackendConfig(
-            max_lora_adapters=adapters + 1, max_lora_rank=RANK, sample_engine=engine,
+            max_lora_adapters=adapters + 1, max_lora_rank=RANK,
             max_seq_len=max(args.prompt_lens) + args.new_tokens + 1))
         for a in range(adapters):
             self.backend.create_model(f"m{a}", types.LoraConfig(rank=RANK, seed=a))
@@ -107,7 +106,6 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--workload", choices=["grid", "rl"], default="grid")
-    parser.add_argument("--engine", choices=["paged", "static", "both"], default="both", help="tx sampling engine(s)")
     parser.add_argument("--rl-prompts", type=int, default=32)
     parser.add_argument("--rl-samples", type=int, default=16)
     parser.add_argument("--rl-prompt-len", type=int, default=512)
@@ -116,14 +114,13 @@ def main() -> None:
 
     import jax
 
-    engines = ["paged", "static"] if args.engine == "both" else [args.engine]
     if args.workload == "rl":
         with random_model(args) as (model_dir, params):
-            rl_workload(model_dir, params, args, engines)
+            rl_workload(model_dir, params, args)
         return
     with random_model(args) as (model_dir, params):
         for adapters in (1, args.adapters):
-            runners = [TxRunner(model_dir, adapters, args, e) for e in engines]
+            runners = [TxRunner(model_dir, adapters, args)]
             runners += [] if args.skip_peer else [HFRunner(model_dir, adapters, args)]
             for batch in args.batch_sizes:
                 for plen in args.prompt_lens:
@@ -156,7 +153,7 @@ def main() -> None:
                               flush=True)
 
 
-def rl_workload(model_dir: Path, params: int, args, engines: list[str]) -> None:
+def rl_workload(model_dir: Path, params: int, args) -> None:
     import jax
 
     import tx
@@ -183,40 +180,31 @@ def rl_workload(model_dir: Path, params: int, args, engines: list[str]) -> None:
     prompts = rng.integers(3, args.vocab_size, (n, plen)).tolist()
     batch = rl_batch(prompts)
     rows = {}
-    for engine in engines:
-        backend = tx.JaxBackend(str(model_dir), tx.JaxBackendConfig(
-            max_lora_adapters=2, max_lora_rank=RANK, max_seq_len=plen + args.rl_max_tokens[1] + 1,
-            max_num_samples=k, sample_engine=engine))
-        backend.create_model("m0", types.LoraConfig(rank=RANK, seed=0))
-        cfg, dtype_bytes = backend.model.config, backend.model.embed_tokens.embedding[...].dtype.itemsize
-        token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
-        backend.sample(warm)  # compile
-        before = dict(backend.metrics.sampling)
-        with PeakRSS() as rss:
-            start = time.perf_counter()
-            out = backend.sample(batch)
-            elapsed = time.perf_counter() - start
-        assert sum(len(s.tokens) for o in out.values() for s in o.sequences) == generated
-        extra = {}
-        if engine == "paged":
-            stats = backend.metrics.sampling
-            # prompt tokens prefilled in the timed run, plus each row's last prompt token (its first decode input)
-            prefill = stats["prefill_tokens"] - before["prefill_tokens"] + n * k
-            kv_bytes = stats["peak_pages"] * backend.config.kv_page_size * token_bytes
-            extra = {"preempted": stats["preempted"] - before["preempted"],
+    backend = tx.JaxBackend(str(model_dir), tx.JaxBackendConfig(
+        max_lora_adapters=2, max_lora_rank=RANK, max_seq_len=plen + args.rl_max_tokens[1] + 1, max_num_samples=k))
+    backend.create_model("m0", types.LoraConfig(rank=RANK, seed=0))
+    cfg, dtype_bytes = backend.model.config, backend.model.embed_tokens.embedding[...].dtype.itemsize
+    token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+    backend.sample(warm)  # compile
+    before = dict(backend.metrics.sampling)
+    with PeakRSS() as rss:
+        start = time.perf_counter()
+        out = backend.sample(batch)
+        elapsed = time.perf_counter() - start
+    assert sum(len(s.tokens) for o in out.values() for s in o.sequences) == generated
+    stats = backend.metrics.sampling
+    # prompt tokens prefilled in the timed run, plus each row's last prompt token (its first decode input)
+    prefill = stats["prefill_tokens"] - before["prefill_tokens"] + n * k
+    rows["paged"] = {"framework": "tx-paged", "workload": "sample_rl", "shapes": shapes,
+                     "tokens_per_s": round(generated / elapsed, 1), "total_s": round(elapsed, 3),
+                     "prefill_tokens_computed": prefill,
+                     "peak_kv_bytes": stats["peak_pages"] * backend.config.kv_page_size * token_bytes,
+                     "peak_rss_bytes": rss.peak,
+                     "compiles": sum(v for key, v in backend.metrics.compiles.items() if key.startswith("sample")),
+                     "device": jax.devices()[0].device_kind, "preempted": stats["preempted"] - before["preempted"],
                      "prefill_tokens_cached": stats["prefill_tokens_cached"] - before["prefill_tokens_cached"]}
-        else:
-            from tx.runtime import bucket_length, bucket_rows
-
-            prefill = n * k * plen
-            kv_bytes = bucket_rows(n * k, 1) * (bucket_length(plen) + bucket_length(max(max_tokens))) * token_bytes
-        rows[engine] = {"framework": f"tx-{engine}", "workload": "sample_rl", "shapes": shapes,
-                        "tokens_per_s": round(generated / elapsed, 1), "total_s": round(elapsed, 3),
-                        "prefill_tokens_computed": prefill, "peak_kv_bytes": kv_bytes, "peak_rss_bytes": rss.peak,
-                        "compiles": sum(v for key, v in backend.metrics.compiles.items() if key.startswith("sample")),
-                        "device": jax.devices()[0].device_kind, **extra}
-        print(json.dumps(rows[engine]), flush=True)
-        del backend
+    print(json.dumps(rows["paged"]), flush=True)
+    del backend
     if not args.skip_peer:
         import torch
         from peft import LoraConfig, get_peft_model
@@ -239,13 +227,9 @@ def rl_workload(model_dir: Path, params: int, args, engines: list[str]) -> None:
                         "peak_kv_bytes": k * (plen + args.rl_max_tokens[1]) * token_bytes, "peak_rss_bytes": rss.peak,
                         "device": "cpu"}
         print(json.dumps(rows["peer"]), flush=True)
-    if "paged" in rows:
-        ratios = {f"tokens_per_s_paged_over_{o}": round(rows["paged"]["tokens_per_s"] / rows[o]["tokens_per_s"], 3)
-                  for o in rows if o != "paged"}
-        if "static" in rows:
-            ratios["prefill_paged_over_static"] = round(rows["paged"]["prefill_tokens_computed"]
-                                                        / rows["static"]["prefill_tokens_computed"], 4)
-        print(json.dumps({"workload": "sample_rl", **ratios}), flush=True)
+    if "peer" in rows:
+        ratio = round(rows["paged"]["tokens_per_s"] / rows["peer"]["tokens_per_s"], 3)
+        print(json.dumps({"workload": "sample_rl", "tokens_per_s_paged_over_peer": ratio}), flush=True)
 
 
 if __name__ == "__main__":

@@ -109,7 +109,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     plen, rank = 128 if not args.dry_run else 8, 32 if not args.dry_run else 4
     backend = tx.JaxBackend(path, tx.JaxBackendConfig(
-        max_lora_adapters=2, max_lora_rank=rank, max_seq_len=plen + args.new + 1, sample_engine="paged",
+        max_lora_adapters=2, max_lora_rank=rank, max_seq_len=plen + args.new + 1,
         paged_attention_impl="blocked", max_num_seqs=max(batches), prefix_cache=False,
         decode_steps_per_call=args.steps_per_call, **json.loads(args.config)))
     backend.create_model("m0", types.LoraConfig(rank=rank, alpha=2.0 * rank, seed=0))

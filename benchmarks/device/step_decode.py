@@ -1,6 +1,6 @@
 """Step d: decode throughput at batch 1, 64 and 256 (Qwen3-1.7B shape, bf16) through tx's paged sampling engine.
 
-One JaxBackend, sample_engine="paged" with paged_attention_impl="blocked" (XLA online softmax over KV
+One JaxBackend, paged_attention_impl="blocked" (XLA online softmax over KV
 blocks: the Pallas kernel is TPU-only), `max_num_seqs` = the largest batch, prefix cache off (so a repeated
 measurement prefills again), one LoRA adapter of rank `rank` read by every row. Per batch B: B prompts of
 `prompt_len` random tokens, greedy, no stop tokens, so every row generates `new_tokens`. As in
@@ -62,7 +62,7 @@ def main() -> None:
         from tx import types
 
         backend = tx.JaxBackend(str(Path(args.models) / MODEL), tx.JaxBackendConfig(
-            max_lora_adapters=2, max_lora_rank=rank, max_seq_len=plen + new + 1, sample_engine="paged",
+            max_lora_adapters=2, max_lora_rank=rank, max_seq_len=plen + new + 1,
             paged_attention_impl="blocked", max_num_seqs=max(w["batches"]), prefix_cache=False))
         backend.create_model("m0", types.LoraConfig(rank=rank, alpha=2.0 * rank, seed=0))
     except Exception as exc:  # noqa: BLE001 - every workload reports it

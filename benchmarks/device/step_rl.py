@@ -37,7 +37,7 @@ def main() -> None:
                          "generated_tokens": expected}
         backend = tx.JaxBackend(str(Path(args.models) / MODEL), tx.JaxBackendConfig(
             max_lora_adapters=2, max_lora_rank=rank, max_seq_len=plen + hi + 1, max_num_samples=k,
-            sample_engine="paged", paged_attention_impl="blocked", max_num_seqs=w["max_num_seqs"]))
+            paged_attention_impl="blocked", max_num_seqs=w["max_num_seqs"]))
         backend.create_model("m0", types.LoraConfig(rank=rank, alpha=2.0 * rank, seed=0))
         warm = rng.integers(3, m.vocab_size, (n, plen)).tolist()
         start = time.perf_counter()

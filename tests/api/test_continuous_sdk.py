@@ -1,4 +1,4 @@
-"""Continuous batching through the service (`--sample-engine paged`), driven by the tinker SDK: a short
+"""Continuous batching through the service (the paged engine), driven by the tinker SDK: a short
 request joins a long running batch and returns long before it; a resent conversation reads its first turn
 from the prefix cache (per tenant); training requests run while a long sampling job is in flight."""
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("continuous"), "--sample-engine", "paged", "--max-seq-len", "640",
+    srv = Server(tmp_path_factory.mktemp("continuous"), "--max-seq-len", "640",
                  "--max-num-seqs", "16", "--decode-steps-per-call", "2", "--kv-page-size", "16",
                  "--kv-block", "64", "--prefill-chunk", "64", "--kv-cache-pages", "400")
     yield srv

@@ -2,7 +2,7 @@
 
 The programs are the ones the backends and the sampler jit, built by the same factories
 (`steps.make_model_pass`, `steps.make_optim_step`, `full_state.make_full_optim_step`, the jitted `commit_grads`,
-`paged_step.prefill_chunk` / `decode_steps`, `decode.generate`, `prompt_scores.score_prompts`) from a tiny
+`paged_step.prefill_chunk` / `decode_steps`, `prompt_scores.score_prompts`) from a tiny
 MoE model loaded the way the backend loads it (`load_model` on the mesh, its "auto" kernels), with the
 inputs' shapes and shardings of a real call. Only the model's platform differs from what a CPU backend
 builds: "tpu" or "cuda" instead of its mesh's "cpu".
@@ -38,7 +38,6 @@ from tx.models.config import LoraSlots
 from tx.models.layers.attention import POOL_AXES
 from tx.models.loading import load_model
 from tx.models.sharding import batch_spec, make_mesh
-from tx.sampling.decode import DecodeInputs, generate
 from tx.sampling.paged_step import PrefillInputs, SlotInputs, decode_steps, prefill_chunk
 from tx.sampling.prompt_scores import PromptScoreInputs, score_prompts
 
@@ -192,17 +191,6 @@ def paged_decode(t: Target):
     return fn, (abstract(model), _pools(t, model), inp, np.int32(2), None), static  # layers: the scan
 
 
-def static_generate(t: Target):
-    """The static engine's program: prefill (self-attention kernel) then the decode loop over a dense cache."""
-    b = t.rows
-    arrays = {"prompt_bt": np.zeros((b, 16), np.int32), "stop_bs": np.zeros((b, 4), np.int32),
-              "seed_b": np.zeros(b, np.uint32)}
-    arrays |= {k: np.zeros(b, np.int32) for k in ("prompt_len_b", "adapter_b", "max_tokens_b", "top_k_b")}
-    arrays |= {k: np.zeros(b, np.float32) for k in ("temperature_b", "top_p_b", "min_p_b", "repetition_penalty_b")}
-    fn = jax.jit(generate, static_argnames=("max_new", "topk"))
-    return fn, (abstract(t.lora_model), DecodeInputs(**t.batch(arrays))), dict(max_new=16, topk=0)
-
-
 def prompt_scores(t: Target):
     b = t.rows
     arrays = {"ids_bt": np.zeros((b, 16), np.int32), "mask_bt": np.zeros((b, 16), np.int32),
@@ -224,7 +212,6 @@ PROGRAMS: dict[str, tuple[Callable, set[str], bool]] = {
     "full_optim_step": (full_optim_step, set(), False),
     "paged_prefill": (paged_prefill, {"paged", "megablox"}, False),
     "paged_decode": (paged_decode, {"paged", "megablox"}, False),
-    "static_generate": (static_generate, {"splash", "megablox"}, False),
     "prompt_scores": (prompt_scores, {"splash", "megablox"}, False),
 }
 

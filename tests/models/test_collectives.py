@@ -67,7 +67,7 @@ def moe_dir(tmp_path_factory) -> str:
 def _backend(model_dir: str, mesh: tuple[int, int, int], sample: bool = True) -> JaxBackend:
     fsdp, ep, tp = mesh
     config = JaxBackendConfig(fully_sharded_data_parallel_size=fsdp, expert_parallel_size=ep, tensor_parallel_size=tp,
-                              max_lora_adapters=A, max_lora_rank=R, sample_engine="paged", max_num_seqs=8)
+                              max_lora_adapters=A, max_lora_rank=R, max_num_seqs=8)
     backend = JaxBackend(model_dir, config)
     backend.programs.enabled = True
     backend.create_model("m", types.LoraConfig(rank=R, seed=0))

@@ -12,7 +12,7 @@ from tx import types
 
 BASE = dict(max_lora_adapters=3, max_lora_rank=4, max_seq_len=96, max_num_samples=8)
 # 4 decode steps per call whether or not requests wait: rows join and leave between calls often
-PAGED = dict(sample_engine="paged", kv_page_size=4, kv_block=8, prefill_chunk=8, prefill_rows=2,
+PAGED = dict(kv_page_size=4, kv_block=8, prefill_chunk=8, prefill_rows=2,
              decode_steps_per_call=4, max_decode_steps_per_call=4, max_num_seqs=16)
 
 

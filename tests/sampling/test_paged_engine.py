@@ -1,6 +1,7 @@
-"""The paged sampling engine (`sample_engine="paged"`) against transformers `generate` and the static engine
-on the same weights: greedy tokens, seeded samples, log-probs, stops, top-k log-probs; prompt sharing
-(one prefill per request), continuous batching through a small pool and few slots, bounded programs."""
+"""The paged sampling engine against transformers `generate` and the tests' oracle (tests/sampling/oracle.py:
+the model's plain forward over the whole sequence at every step) on the same weights: greedy tokens, seeded
+samples, log-probs, stops, top-k log-probs; prompt sharing (one prefill per request), continuous batching
+through a small pool and few slots, bounded programs."""
 
 import jax
 import numpy as np
@@ -10,29 +11,28 @@ from transformers import AutoModelForCausalLM
 
 import tx
 from tests.helpers import make_batch
+from tests.sampling import oracle
 from tests.sampling.test_sample import PROMPTS, SP, sample_batch
 from tx import types
 from tx.models.adapters import get_adapter_weights, set_adapter_weights
 
 BASE = dict(max_lora_adapters=3, max_lora_rank=4, max_seq_len=96, max_num_samples=8)
-PAGED = dict(sample_engine="paged", kv_page_size=4, kv_block=8, prefill_chunk=8, prefill_rows=2,
+PAGED = dict(kv_page_size=4, kv_block=8, prefill_chunk=8, prefill_rows=2,
              decode_steps_per_call=4, max_num_seqs=8)
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_dirs):
-    """(static backend, paged backend) on the dense tiny model, adapter "a" holding the same random weights."""
-    static = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, sample_engine="static"))
+    """(adapter "a"'s random weights, the paged backend on the dense tiny model whose adapter "a" holds them);
+    the oracle samples the backend's own model."""
     paged = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **PAGED))
-    for backend in (static, paged):
-        backend.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
-    slot = static.models["a"].adapter_index
+    paged.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
+    slot = paged.models["a"].adapter_index
     rng = np.random.default_rng(0)
     weights = {name: (a, rng.standard_normal(b.shape).astype(np.float32) * 0.3)
-               for name, (a, b) in get_adapter_weights(static.model, slot, 4).items()}
-    for backend in (static, paged):
-        set_adapter_weights(backend.model, slot, weights, alpha=8, rank=4)
-    return static, paged
+               for name, (a, b) in get_adapter_weights(paged.model, slot, 4).items()}
+    set_adapter_weights(paged.model, slot, weights, alpha=8, rank=4)
+    return weights, paged
 
 
 def requests_mixed():
@@ -43,10 +43,10 @@ def requests_mixed():
     return out
 
 
-def test_paged_equals_static_and_transformers(tiny_dirs, engines):
-    static, paged = engines
+def test_paged_equals_oracle_and_transformers(tiny_dirs, engines):
+    _, paged = engines
     requests = requests_mixed()
-    want, got = static.sample(sample_batch(requests)), paged.sample(sample_batch(requests))
+    want, got = oracle.sample(paged, sample_batch(requests)), paged.sample(sample_batch(requests))
     for request_id, *_ in requests:
         a, b = want[request_id].sequences, got[request_id].sequences
         assert [s.tokens for s in a] == [s.tokens for s in b], request_id
@@ -54,7 +54,7 @@ def test_paged_equals_static_and_transformers(tiny_dirs, engines):
         for x, y in zip(a, b):
             np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)
     hf = AutoModelForCausalLM.from_pretrained(tiny_dirs["dense"], dtype=torch.float32)
-    for i, prompt in enumerate(PROMPTS):  # the base rows, independently of the static engine
+    for i, prompt in enumerate(PROMPTS):  # the base rows, independently of the oracle
         n = len(got[f"g{i}"].sequences[0].tokens)
         ids = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, len(prompt):].tolist()
@@ -166,34 +166,30 @@ def test_unrolled_and_scanned_layers_sample_the_same(tiny_dirs, engines):
 
 def test_unrolled_decode_follows_weight_changes(tiny_dirs, engines):
     """The kept per-layer copies follow the model: after an adapter's weights change (a weight load here; an
-    optimizer step replaces them the same way) the unrolled engine samples with the new weights, as the static
-    engine does, and only the replaced (LoRA) leaves were copied again, not the base weights. (No prefix cache:
-    a direct weight load does not bump the adapter's KV identity as the backend's own updates do.)"""
-    static, _ = engines
+    optimizer step replaces them the same way) the unrolled engine samples with the new weights, as the oracle
+    (the model's plain forward) does, and only the replaced (LoRA) leaves were copied again, not the base
+    weights. (No prefix cache: a direct weight load does not bump the adapter's KV identity as the backend's
+    own updates do.)"""
+    before, engine = engines
     unrolled = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **PAGED, paged_decode_layers="unrolled",
                                                                       prefix_cache=False))
     unrolled.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
-    slot = static.models["a"].adapter_index
+    slot = engine.models["a"].adapter_index
     copies = unrolled.sampler.paged.device.layer_copies
     greedy = [(f"g{i}", "a", [(p, SP(max_tokens=8, temperature=0.0, stop=[]))], False, 0) for i, p in enumerate(PROMPTS)]
-    before = get_adapter_weights(static.model, slot, 4)
     rng = np.random.default_rng(7)
     other = {name: (rng.standard_normal(a.shape).astype(np.float32) * 0.3,
                     rng.standard_normal(b.shape).astype(np.float32) * 0.3) for name, (a, b) in before.items()}
     tokens = []
-    try:
-        for weights in (before, other):
-            for backend in (static, unrolled):
-                set_adapter_weights(backend.model, slot, weights, alpha=8, rank=4)
-            made = copies.copied
-            want, got = static.sample(sample_batch(greedy)), unrolled.sample(sample_batch(greedy))
-            for request_id, *_ in greedy:
-                assert got[request_id].sequences[0].tokens == want[request_id].sequences[0].tokens, request_id
-            tokens.append([got[r].sequences[0].tokens for r, *_ in greedy])
-            leaves = sum(len(jax.tree.leaves(state)) for state in unrolled.model.scanned_states())
-            assert 0 < copies.copied - made < leaves or made == 0, (made, copies.copied, leaves)
-    finally:
-        set_adapter_weights(static.model, slot, before, alpha=8, rank=4)
+    for weights in (before, other):
+        set_adapter_weights(unrolled.model, slot, weights, alpha=8, rank=4)
+        made = copies.copied
+        want, got = oracle.sample(unrolled, sample_batch(greedy)), unrolled.sample(sample_batch(greedy))
+        for request_id, *_ in greedy:
+            assert got[request_id].sequences[0].tokens == want[request_id].sequences[0].tokens, request_id
+        tokens.append([got[r].sequences[0].tokens for r, *_ in greedy])
+        leaves = sum(len(jax.tree.leaves(state)) for state in unrolled.model.scanned_states())
+        assert 0 < copies.copied - made < leaves or made == 0, (made, copies.copied, leaves)
     assert tokens[0] != tokens[1]  # the new weights change what is sampled: stale copies could not pass
 
 
@@ -205,11 +201,11 @@ def test_kv_blocks_auto_means_bucketed_on_gpus_only():
 
 
 def test_topk_sample_logprobs_and_programs_stay_bounded(engines):
-    static, paged = engines
+    _, paged = engines
     params = SP(max_tokens=6, temperature=1.0, seed=2, stop=[])
     batch = sample_batch([("t", "a", [(PROMPTS[0], params)] * 2, False, 0)])
     batch.request_options = [types.SampleOptions(topk_sample_logprobs=3)]
-    want, got = static.sample(batch)["t"], paged.sample(batch)["t"]
+    want, got = oracle.sample(paged, batch)["t"], paged.sample(batch)["t"]
     for x, y in zip(want.sequences, got.sequences):
         assert [[t for t, _ in row] for row in x.topk_logprobs] == [[t for t, _ in row] for row in y.topk_logprobs]
     before = dict(paged.metrics.compiles)
@@ -255,23 +251,32 @@ def test_prefix_cache_reuses_prompts_and_conversations_until_weights_change(engi
 
 
 def test_config_and_pool_errors_name_the_field(tiny_dirs):
+    # the static engine's settings are refused by name, whatever their value
+    gone = "the static sampling engine was removed and the paged engine is the only one"
+    for name, value, why in (("sample_engine", "static", gone),
+                             ("sample_max_num_sequences", 2, "it sized the calls of the removed static sampling")):
+        with pytest.raises(ValueError, match=f"{name}={value!r} is no longer a setting: {why}"):
+            tx.JaxBackendConfig(**BASE, **{name: value})
+    # the values that asked for what runs now are still accepted (old configs keep working)
+    assert tx.JaxBackendConfig(**BASE, sample_engine="paged", sample_max_num_sequences=0) == tx.JaxBackendConfig(**BASE)
     with pytest.raises(ValueError, match="kv_block=10 must be a multiple of kv_page_size=4"):
         tx.JaxBackendConfig(**BASE, **(PAGED | dict(kv_block=10)))
     with pytest.raises(ValueError, match="kv_cache_pages=20 is below 51: the pool must hold one longest prompt"):
         tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **(PAGED | dict(kv_cache_pages=20))))
 
 
-def test_min_p_and_repetition_penalty_equal_the_static_engine(engines):
+def test_min_p_and_repetition_penalty_equal_the_oracle(engines):
     """The paged engine's penalty (token sets of prompt + output, updated on device each step) and min-p give
-    the static engine's tokens (which tests/sampling/test_sample.py checks against transformers)."""
-    static, paged = engines  # base-model rows: an earlier test trains the paged backend's adapter
+    the oracle's tokens (the penalty's greedy tokens are also checked against transformers:
+    tests/sampling/test_sample.py)."""
+    _, paged = engines  # base-model rows: an earlier test trains the paged backend's adapter
     requests = [("rp", "", [(PROMPTS[2], SP(max_tokens=20, temperature=0.0, repetition_penalty=1.5, stop=[]))],
                  False, 0),
                 ("mp", "", [(PROMPTS[0], SP(max_tokens=12, temperature=1.0, min_p=0.2, seed=7, stop=[]))] * 3, False, 0),
                 ("both", "", [(PROMPTS[1], SP(max_tokens=15, temperature=0.9, min_p=0.05, repetition_penalty=0.8,
                                                seed=2, stop=[]))] * 2, False, 0),
                 ("plain", "", [(PROMPTS[3], SP(max_tokens=9, temperature=0.0, stop=[]))], False, 0)]
-    want, got = static.sample(sample_batch(requests)), paged.sample(sample_batch(requests))
+    want, got = oracle.sample(paged, sample_batch(requests)), paged.sample(sample_batch(requests))
     for request_id, *_ in requests:
         assert [s.tokens for s in want[request_id].sequences] == [s.tokens for s in got[request_id].sequences]
         for x, y in zip(want[request_id].sequences, got[request_id].sequences):

@@ -17,9 +17,8 @@ from tx import types
 from tx.models.adapters import set_adapter_weights
 
 SP = types.SamplingParams
-# the static engine (the paged one is checked against it: tests/sampling/test_paged_engine.py)
-CONFIG = tx.JaxBackendConfig(max_lora_adapters=4, max_lora_rank=8, max_seq_len=96, max_num_samples=8,
-                             sample_engine="static")
+# the paged engine, the only one (also checked against the tests' oracle: tests/sampling/test_paged_engine.py)
+CONFIG = tx.JaxBackendConfig(max_lora_adapters=4, max_lora_rank=8, max_seq_len=96, max_num_samples=8)
 PROMPTS = [[5, 17, 99, 3], [42, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [300]]
 
 
@@ -135,7 +134,10 @@ def test_top_k_one_is_greedy_and_compiles_stay_fixed(tiny_dirs):
     outs = [backend.sample(sample_batch([("v", "a", [(PROMPTS[0], v)], False, 0)]))["v"] for v in variants]
     for o in outs[:3]:
         assert o.sequences[0].tokens == greedy["g"].sequences[0].tokens
-    assert backend.metrics.compiles["sample"] == 1  # 7 calls, one program: all values vary within buckets
+    programs = {k: v for k, v in backend.metrics.compiles.items() if k.startswith("sample")}
+    # 7 calls, one prefill and one decode program: all values vary within buckets (the row with a stop string
+    # adds the decode program that also matches stop sequences on the device)
+    assert programs == {"sample_prefill": 1, "sample_decode": 2}, programs
 
 
 def test_stop_tokens_strings_and_eos(tiny_dirs, tmp_path):
@@ -169,8 +171,8 @@ def test_stop_tokens_strings_and_eos(tiny_dirs, tmp_path):
     assert out["never"].sequences[0].tokens == tokens and out["never"].sequences[0].stop_reason == "length"
 
 
-def test_bad_parameters_fail_alone_and_chunking(tiny_dirs):
-    backend = tx.JaxBackend(tiny_dirs["dense"], CONFIG.model_copy(update={"sample_max_num_sequences": 2}))
+def test_bad_parameters_fail_alone_and_rows_wait_for_slots(tiny_dirs):
+    backend = tx.JaxBackend(tiny_dirs["dense"], CONFIG.model_copy(update={"max_num_seqs": 2}))
     good = ("good", "", [(PROMPTS[0], SP(max_tokens=4, temperature=0.0, stop=[]))] * 3, False, 0)
     bad = {
         "neg_max_tokens": ([(PROMPTS[0], SP(max_tokens=-2))], "max_tokens = -2 must be >= 0"),
@@ -195,7 +197,8 @@ def test_bad_parameters_fail_alone_and_chunking(tiny_dirs):
     for name, (_, message) in bad.items():
         assert isinstance(out[name], types.ErrorResponse) and message in out[name].error, (name, out[name])
     assert len(out["good"].sequences) == 3 and all(len(s.tokens) == 4 for s in out["good"].sequences)
-    assert backend.metrics.calls["sample"] == 2  # 3 rows in chunks of sample_max_num_sequences=2
+    # 3 rows of one prompt (one prefill), 2 decode slots (max_num_seqs=2): the third row waits for a slot
+    assert (backend.metrics.calls["sample_prefill"], backend.metrics.calls["sample_decode"]) == (1, 2)
 
 
 def test_repetition_penalty_greedy_matches_transformers_generate(tiny_dirs, peft_backend):
@@ -233,17 +236,20 @@ def test_min_p_and_penalty_sampling_keep_forward_logprobs_and_programs(peft_back
     backend, _ = peft_backend
     index = backend.models["a"].adapter_index
 
-    def run(settings):  # the buckets of test_greedy_matches_transformers_generate: 8 rows, <= 12 new tokens
+    def run(settings):  # 8 rows (8 decode slots), 12 new tokens each
         rows = [(PROMPTS[i % 4], SP(max_tokens=12, temperature=t, seed=10 + i, stop=[], min_p=m, repetition_penalty=r))
                 for i, (t, m, r) in enumerate(settings)]
         out = backend.sample(sample_batch([(f"m{i}", "a", [row], False, 0) for i, row in enumerate(rows)]))
         return [(row, out[f"m{i}"].sequences[0]) for i, row in enumerate(rows)]
 
-    run([(1.0, 0.0, 1.0)] * 8)
-    compiles = backend.metrics.compiles["sample"]
+    def programs():
+        return {k: v for k, v in backend.metrics.compiles.items() if k.startswith("sample")}
+
+    run([(1.0, 0.1, 1.2)] + [(1.0, 0.0, 1.0)] * 7)  # a penalty and min-p: the programs with their work
+    compiles = programs()
     results = run([(1.0, 0.3, 1.0), (1.5, 0.1, 1.0), (0.8, 0.5, 1.3), (1.0, 0.0, 1.0),
                    (1.2, 0.2, 0.9), (1.0, 0.05, 1.0), (1.0, 0.0, 2.0), (2.0, 0.4, 1.1)])
-    assert backend.metrics.compiles["sample"] == compiles
+    assert programs() == compiles
     full = [prompt + seq.tokens for (prompt, _), seq in results]
     ids = np.zeros((len(full), max(map(len, full))), np.int64)
     for i, f in enumerate(full):

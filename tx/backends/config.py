@@ -43,6 +43,14 @@ LogicalRules = Annotated[tuple[tuple[str, str | None], ...], AfterValidator(chec
 # smallest it allows: these values, whatever max_lora_adapters / max_lora_rank say (a value given is logged)
 FULL_MODE_LORA_SLOTS = {"max_lora_adapters": 2, "max_lora_rank": 1}
 
+# Fields earlier versions had: (the value that asks for what runs now, and is accepted; why any other value is
+# refused). extra="forbid" alone would only say "extra inputs are not permitted".
+REMOVED_FIELDS = {
+    "sample_engine": ("paged", "the static sampling engine was removed and the paged engine is the only one"),
+    "sample_max_num_sequences": (0, "it sized the calls of the removed static sampling engine (the paged engine's "
+                                 "rows decoding at once: max_num_seqs)"),
+}
+
 
 class MixedPrecisionConfig(BaseModel):
     """Full training's precision policy, with the seed's MixedPrecisionConfig names and values."""
@@ -81,12 +89,6 @@ class JaxBackendConfig(BaseModel):
     train_micro_batch_size: int = Field(
         0, ge=0, description="at most this many rows per jit call in forward/forward_backward (0 = no row cap)"
     )
-    sample_max_num_sequences: int = Field(0, ge=0, description="static engine: sequences per sampling call (0 = "
-                                          "no limit)")
-    sample_engine: Literal["static", "paged"] = Field(
-        "paged", description="'paged': paged KV cache, one prefill per prompt shared by its samples, prefix cache, "
-        "continuous batching (requests join and leave between device calls; tx/sampling/continuous.py); "
-        "'static': each call decodes its rows as padded batches with a dense KV cache (kept for comparison)")
     kv_page_size: int = Field(16, ge=1, description="paged engine: tokens per KV page")
     kv_cache_pages: int = Field(0, ge=0, description="paged engine: KV pages in the pool (0 = every decode slot "
                                 "at max_seq_len plus one longest prompt and row, capped at half of the device "
@@ -178,6 +180,16 @@ class JaxBackendConfig(BaseModel):
     )
     coordinator_address: str | None = Field(None, description="host:port of process 0 (multi-host)")
     num_processes: int | None = Field(None, ge=1, description="number of processes (multi-host)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_fields(cls, values):
+        if isinstance(values, dict):
+            for name, (current, why) in REMOVED_FIELDS.items():
+                if name in values and values[name] != current:
+                    raise ValueError(f"{name}={values[name]!r} is no longer a setting: {why}")
+            values = {k: v for k, v in values.items() if k not in REMOVED_FIELDS}
+        return values
 
     @field_validator("mixed_precision", mode="before")
     @classmethod

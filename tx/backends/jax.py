@@ -366,7 +366,7 @@ class JaxBackend(AbstractBackend):
 
     def sample_step(self) -> dict[str, types.SampleOutput]:
         """Advance the queued sampling requests by one engine iteration (a prefill chunk call and a few
-        decode steps; the static engine runs them to the end); the requests that finished."""
+        decode steps); the requests that finished."""
         return self.sampler.step()
 
     @property

@@ -18,7 +18,7 @@ is touched):
   bucketed on GPUs), every slot count at every block bucket: rows of one prompt per bucket, long enough
   to reach it (the prompt is prefilled once per bucket and then read from the prefix cache).
 Not compiled ahead: `forward` (no gradients), prompt log-probs, top-k sample log-probs, repetition
-penalties and the static engine; they compile at first use (and are cached on disk like every program).
+penalties; they compile at first use (and are cached on disk like every program).
 """
 
 from __future__ import annotations
@@ -120,12 +120,11 @@ def precompile(backend: Any, impl: Any, loss_fns: tuple[str, ...] = ("cross_entr
     cfg, fsdp = impl.config, impl.mesh.shape["fsdp"]
     vocab = impl.model.config.vocab_size
     shapes = model_pass_shapes(impl.max_seq_len, cfg.train_micro_batch_tokens, cfg.train_micro_batch_size, fsdp)
-    slot_counts = sample_slot_counts(cfg.max_num_seqs, fsdp) if cfg.sample_engine == "paged" else []
-    bucketed = (slot_counts and cfg.paged_attention_impl == "blocked"
-                and kv_blocks_bucketed(cfg.paged_kv_blocks, impl.model.platform))
+    slot_counts = sample_slot_counts(cfg.max_num_seqs, fsdp)
+    bucketed = cfg.paged_attention_impl == "blocked" and kv_blocks_bucketed(cfg.paged_kv_blocks, impl.model.platform)
     block_prompts = decode_block_prompts(impl.max_seq_len, cfg.kv_page_size, cfg.kv_block) if bucketed else []
     prefill_sets = prefill_prompt_lengths(impl.max_seq_len, cfg.prefill_chunk, cfg.prefill_rows, cfg.max_num_seqs,
-                                          fsdp) if slot_counts else []
+                                          fsdp)
     rng = np.random.default_rng(0)
     start = time.perf_counter()
     before = dict(impl.metrics.compiles)

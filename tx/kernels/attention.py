@@ -1,9 +1,10 @@
 """Attention kernels behind one dispatch.
 
 `attention(q, k, v, mask_bts, scale)` is the dense reference: the full float32 `[b, kv, g, t, s]` score
-tensor under an explicit boolean mask. Decode uses it over the KV cache, and it is the tests' oracle.
+tensor under an explicit boolean mask. The paged engine's "reference" kernel uses it over the gathered pages
+(`tx.kernels.paged_attention`), and it is the tests' oracle.
 
-Training and prefill call `self_attention(q, k, v, segment_ids_bt, scale, impl)`: causal self-attention
+Training and scoring call `self_attention(q, k, v, segment_ids_bt, scale, impl)`: causal self-attention
 where key j is visible to query i iff j <= i and seg[i] == seg[j], with `segment_ids_bt` int32 and
 padding = -1 (`segment_ids_for_attention` builds it from an attention mask and packing segment ids). A
 padding query sees only padding keys (itself at least), so every row has a key and nothing is NaN; its
@@ -198,9 +199,9 @@ def self_attention(q_bthd, k_btkd, v_btkd, segment_ids_bt, scale: float, impl: s
 
 @dataclasses.dataclass(frozen=True)
 class SelfAttentionMask:
-    """What a training/prefill layer needs to attend: the segment ids (a traced array), the kernel name and
-    the platform the program is built for (both static). Decode passes a dense `[b, t, s]` bool mask over its
-    cache instead."""
+    """What a training/scoring layer needs to attend: the segment ids (a traced array), the kernel name and
+    the platform the program is built for (both static). The sampling engine's layers attend over their KV
+    pages instead (`tx.kernels.paged_attention`)."""
 
     segment_ids_bt: jax.Array
     impl: str = "auto"  # as asked ("auto" stays "auto": `self_attention` resolves it and stays quiet)

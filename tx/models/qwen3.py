@@ -112,34 +112,28 @@ class DecoderStack(nnx.Module):
         """Bytes of the scanned state on one device: what unrolled decode copies."""
         return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(self.scanned_state()))
 
-    def __call__(self, x_btd, cos_sin, mask_bts, adapter_b: jax.Array | None, cache=None, return_kv=False,
+    def __call__(self, x_btd, cos_sin, mask_bts, adapter_b: jax.Array | None, paged: PagedKV | None = None,
                  layers: list | None = None):
-        """Hidden states, and keys/values: None; `[L, b, t, kv, d]` pairs if `return_kv` (prefill); or the
-        updated `[L, b, s, kv, d]` cache pair when `cache = (k, v, write_pos_b)` is given (decode). With a
-        `PagedKV` cache, `layers` (one `scanned_state()` per layer) runs the layers one by one on those arrays."""
+        """Hidden states, and None; or, given the sampling engine's `PagedKV`, the updated page pools, where
+        `layers` (one `scanned_state()` per layer) runs the layers one by one on those arrays."""
         graphdef, whole, state = self._split()
         layer_l = jnp.arange(len(self.layer_ids), dtype=jnp.int32)
+        if paged is not None:
+            return self._paged(graphdef, whole, state, layer_l, x_btd, cos_sin, adapter_b, paged, layers)
 
         def body(h_btd, xs):
-            layer_state, layer_cache, layer = xs
+            layer_state, layer = xs
             if whole is None:
-                h_btd, kv = nnx.merge(graphdef, layer_state)(h_btd, cos_sin, mask_bts, adapter_b, layer_cache)
+                h_btd, _ = nnx.merge(graphdef, layer_state)(h_btd, cos_sin, mask_bts, adapter_b)
             else:
-                layer_module = nnx.merge(graphdef, whole, layer_state)
-                h_btd, kv = layer_module(h_btd, cos_sin, mask_bts, adapter_b, layer_cache, layer)
-            return h_btd, (kv if return_kv or layer_cache is not None else None)
+                h_btd, _ = nnx.merge(graphdef, whole, layer_state)(h_btd, cos_sin, mask_bts, adapter_b, None, layer)
+            return h_btd, None
 
-        if isinstance(cache, PagedKV):
-            return self._paged(graphdef, whole, state, layer_l, x_btd, cos_sin, adapter_b, cache, layers)
         policy = remat_policy(self.remat_policy)
         if policy is not None:  # per-layer gradient checkpointing: the policy says what the backward may keep
             body = jax.checkpoint(body, policy=policy)
-        if cache is None:
-            return jax.lax.scan(body, x_btd, (state, None, layer_l))
-        k_cache, v_cache, write_pos_b = cache
-        write_pos_lb = jnp.broadcast_to(write_pos_b, (k_cache.shape[0], *write_pos_b.shape))
-        return jax.lax.scan(body, x_btd, (state, (k_cache, v_cache, write_pos_lb), layer_l))
-
+        h_btd, _ = jax.lax.scan(body, x_btd, (state, layer_l))
+        return h_btd, None
 
     def _paged(self, graphdef, whole, state, layer_l, x_btd, cos_sin, adapter_b, paged: PagedKV, layers):
         """Sampling-engine mode: the stack's page pools ride in the scan carry and each layer scatters its
@@ -264,35 +258,8 @@ class Qwen3ForCausalLM(nnx.Module):
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         mask = self_attention_mask(attention_mask_bt, segment_ids_bt, self.attention_impl, self.platform)
-        hidden_btd, _ = self._layers(input_ids_bt, positions_bt, mask, adapter_indices_b, None, False)
+        hidden_btd, _ = self._layers(input_ids_bt, positions_bt, mask, adapter_indices_b)
         return hidden_btd
-
-    def prefill(
-        self, input_ids_bt: jax.Array, attention_mask_bt: jax.Array, adapter_indices_b: jax.Array | None
-    ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
-        """Hidden states [b, t, d] of a right-padded prompt batch and each stack's keys/values
-        `[L, b, t, kv, d]` (to be padded into a decode cache)."""
-        b, t = input_ids_bt.shape
-        positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        mask = self_attention_mask(attention_mask_bt, None, self.attention_impl, self.platform)
-        return self._layers(input_ids_bt, positions_bt, mask, adapter_indices_b, None, True)
-
-    def decode_step(
-        self,
-        tokens_b: jax.Array,
-        positions_b: jax.Array,
-        caches: list[tuple[jax.Array, jax.Array]],
-        adapter_indices_b: jax.Array | None,
-    ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
-        """One new token per row at `positions_b`: writes its keys/values into each stack's cache
-        `[L, b, s, kv, d]` at that position, attends over cache entries `<= position`, and returns the final
-        hidden state [b, d] and the updated caches."""
-        cache_len = caches[0][0].shape[2]
-        mask_b1s = (jnp.arange(cache_len)[None, :] <= positions_b[:, None])[:, None, :]
-        hidden_b1d, caches = self._layers(
-            tokens_b[:, None], positions_b[:, None], mask_b1s, adapter_indices_b, (caches, positions_b), False
-        )
-        return hidden_b1d[:, 0], caches
 
     def paged_forward(
         self,
@@ -314,7 +281,7 @@ class Qwen3ForCausalLM(nnx.Module):
         hidden states `[b, t, d]` and the pools."""
         paged = [PagedKV(k, v, jnp.int32(0), table_bw, positions_bt, valid_bt, impl, kv_block, self.platform,
                          kv_blocks) for k, v in pools]
-        return self._layers(ids_bt, positions_bt, None, adapter_indices_b, paged, False, layers)
+        return self._layers(ids_bt, positions_bt, None, adapter_indices_b, paged, layers)
 
     def scanned_states(self) -> list:
         """Each stack's `DecoderStack.scanned_state()`."""
@@ -324,7 +291,8 @@ class Qwen3ForCausalLM(nnx.Module):
         """The scanned states' bytes on one device (what unrolled decode copies)."""
         return sum(stack.layer_bytes() for stack in self.stacks)
 
-    def _layers(self, ids_bt, positions_bt, mask_bts, adapter_b, decode, return_kv, layers=None):
+    def _layers(self, ids_bt, positions_bt, mask, adapter_b, paged: list | None = None, layers=None):
+        """Final hidden states and, per stack, None or (given each stack's `PagedKV` in `paged`) its pools."""
         cfg = self.config
         llama3 = cfg.llama3_rope and (cfg.llama3_rope.factor, cfg.llama3_rope.low_freq_factor,
                                       cfg.llama3_rope.high_freq_factor, cfg.llama3_rope.original_max_position_embeddings)
@@ -332,11 +300,7 @@ class Qwen3ForCausalLM(nnx.Module):
         x_btd = self.embed_tokens(ids_bt)
         kvs = []
         for i, stack in enumerate(self.stacks):
-            if decode is None or isinstance(decode, list):  # None, or each stack's PagedKV
-                cache = None if decode is None else decode[i]
-            else:
-                cache = (*decode[0][i], decode[1])
-            x_btd, kv = stack(x_btd, cos_sin, mask_bts, adapter_b, cache, return_kv,
+            x_btd, kv = stack(x_btd, cos_sin, mask, adapter_b, None if paged is None else paged[i],
                               None if layers is None else layers[i])
             kvs.append(kv)
         return self.norm(x_btd), kvs

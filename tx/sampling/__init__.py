@@ -1,1 +1,2 @@
-"""Sampling: the KV-cache decode loop, per-row sampling parameters as device arrays, stop handling."""
+"""Sampling: the paged engine (paged KV cache, continuous batching), per-row sampling parameters as device
+arrays, stop handling, prompt scores."""

@@ -1,4 +1,4 @@
-"""Host-side assembly of a request's answer from the device outputs (tinker 0.38 SampleResponse fields).
+"""Host-side assembly of a request's answer from the engine's rows and the prompt scores (tinker 0.38 SampleResponse fields).
 
 Prompt lists have one entry per prompt token, None at position 0 (no context). `prompt_logprobs_last_n`
 (SampleRequest docstring: "prompt_logprobs[-N:] are scored and earlier entries are None ... also applies to
@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 
 from tx import types
-from tx.sampling.decode import DecodeOutputs
+from tx.sampling.paged_rows import RowResult
 from tx.sampling.prompt_scores import PromptScores
 from tx.sampling.requests import SampleRow, truncate_at_stop_string
 from tx.sampling.targets import answer
@@ -23,18 +23,19 @@ def _pairs(ids_nk: np.ndarray, logprobs_nk: np.ndarray) -> list[list[tuple[int, 
     return [list(zip(map(int, ids), map(float, lps))) for ids, lps in zip(ids_nk, logprobs_nk)]
 
 
-def sequence_of(out: DecodeOutputs, j: int, row: SampleRow, decode_text: Callable[[list[int]], str]
+def sequence_of(res: RowResult, row: SampleRow, decode_text: Callable[[list[int]], str]
                 ) -> types.GeneratedSequence:
-    """Row `j` of a decode call as the sequence `row` asked for."""
-    n = int(out.length_b[j])
-    tokens, logprobs = out.tokens_bn[j, :n].tolist(), out.logprobs_bn[j, :n].tolist()
-    reason = "stop" if out.stopped_b[j] else "length"
+    """A finished row of the engine as the sequence `row` asked for (cut at its first stop string)."""
+    n = len(res.tokens)
+    tokens, logprobs = list(res.tokens), list(res.logprobs)
+    reason = "stop" if res.stopped else "length"
     cut = truncate_at_stop_string(tokens, row.stop_strings, decode_text)
     if cut is not None:
         tokens, logprobs, reason, n = tokens[:cut], logprobs[:cut], "stop", cut
     topk = None
     if k := row.options.topk_sample_logprobs:
-        topk = _pairs(out.top_ids_bnk[j, :n, :k], out.top_logprobs_bnk[j, :n, :k])
+        topk = [list(zip(map(int, ids[:k]), map(float, lps[:k])))
+                for ids, lps in zip(res.top_ids[:n], res.top_logprobs[:n])]
     return types.GeneratedSequence(tokens=tokens, logprobs=logprobs, stop_reason=reason, topk_logprobs=topk)
 
 

@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 
-from tx.sampling.decode import DecodeOutputs
 from tx.sampling.requests import SampleRow
 
 
@@ -21,17 +20,6 @@ class RowResult:
     cached_prompt_tokens: int = 0  # of its request's prompt, read from the prefix cache
     top_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
-
-    def as_outputs(self, topk: int) -> DecodeOutputs:
-        """This row as row 0 of a static decode's outputs (for `outputs.sequence_of`)."""
-        n = len(self.tokens)
-        top = (None, None)
-        if topk:
-            top = (np.asarray(self.top_ids, np.int32).reshape(1, n, topk),
-                   np.asarray(self.top_logprobs, np.float32).reshape(1, n, topk))
-        return DecodeOutputs(np.asarray([self.tokens], np.int32).reshape(1, n),
-                             np.asarray([self.logprobs], np.float32).reshape(1, n), np.asarray([n]),
-                             np.asarray([self.stopped]), *top)
 
 
 @dataclass(eq=False)  # compared by identity

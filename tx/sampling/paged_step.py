@@ -12,8 +12,8 @@
   has stopped. `steps` (static) sizes the output buffers; `bound` <= `steps` is a traced value the host
   picks per call (few steps while requests wait to join, `steps` when none waits), so it adds no program.
   Each step feeds each slot's input token at its position, takes float32 logits, selects the next token
-  with the slot's parameters and the key `fold_in(key(seed), gen)` (gen = tokens the row generated so far:
-  the static sampler's keys, so both engines sample the same tokens), and stops a slot on a stop token,
+  with the slot's parameters and the key `fold_in(key(seed), gen)` (gen = tokens the row generated so far,
+  so a row's tokens depend on neither its batch nor its slot nor preemption), and stops a slot on a stop token,
   when its last generated tokens equal one of its stop sequences (a rolling window carried through the
   loop), or at `max_tokens`.
 
@@ -96,7 +96,7 @@ def ends_with_a_sequence(recent_sl: jax.Array, seq_sxl: jax.Array) -> jax.Array:
 
 
 def slot_keys(seed_s: jax.Array, gen_s: jax.Array) -> jax.Array:
-    """One key per slot: the static sampler's `row_keys(seed, step)` with each row's own step."""
+    """One key per slot: `filters.row_keys(seed, step)` with each row's own step."""
     return jax.vmap(lambda s, g: jax.random.fold_in(jax.random.key(s), g))(seed_s.astype(jnp.uint32), gen_s)
 
 

@@ -3,7 +3,7 @@
 Position t of a prompt predicts token t + 1, so every output is indexed by the predicting position: entry
 [b, t] belongs to prompt position t + 1 (what the SDK calls row t of `target_prompt_logprobs` and of
 `prompt_alt_tokens`). Log-probs are float32 log_softmax of the model's unscaled distribution (temperature
-1, no top-k / top-p), as for sampled tokens (tx.sampling.decode). Logits exist only `chunk` positions at a
+1, no top-k / top-p), as for sampled tokens (tx.sampling.filters.choose). Logits exist only `chunk` positions at a
 time: [b, chunk, vocab], never [b, t, vocab].
 
 prompt_alt_tokens_k (tinker 0.38 types/prompt_alt_tokens.py): k independent draws, with replacement, at

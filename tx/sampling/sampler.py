@@ -1,11 +1,8 @@
 """Sampling requests -> per-request SampleOutput, over the weights of a `WeightsSource` (a backend's
-`sample`, `sample_submit` and `sample_step` are these): the paged engine (`continuous.PagedEngine`), or the
-static one, where validated rows go in bucketed, chunked decode calls.
-
-Rows are grouped into chunks of at most `sample_max_num_sequences`, padded to a bucketed row count,
-prompt length, new-token count and stop-list length, so the number of compiled programs stays small and
-parameter values never cause a recompile. Stop strings are applied on the host after decoding (the
-device loop exits early on stop tokens and EOS only).
+`sample`, `sample_submit` and `sample_step` are these): validated rows run in the paged engine
+(`continuous.PagedEngine`: requests join and leave between its device calls); prompt scores come from one
+prefill per request that asks for them. A stop string ends its row on the device when sampled as the
+tokenizer writes it, else at the host's check after the call; the answer is cut at the stop when assembled.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ from tx import types
 from tx.models.sharding import to_host
 from tx.runtime import Runtime, bucket_length, bucket_rows, pow2
 from tx.sampling.continuous import PagedEngine
-from tx.sampling.decode import DecodeInputs, DecodeOutputs, generate
 from tx.sampling.outputs import prompt_output, sequence_of
 from tx.sampling.prompt_scores import PromptScoreInputs, PromptScores, score_prompts
 from tx.sampling.requests import SampleLimits, SampleRow, validate
@@ -50,57 +46,9 @@ class Sampler:
         self.text = TextCodec(source.model_dir)
         self.decode_text, self.encode_text = self.text.decode_text, self.text.encode_text
         # the paged engine (its KV pool is allocated at first use); a pool too small fails here, at startup
-        self.paged = PagedEngine(source, runtime, config, self.text) if config.sample_engine == "paged" else None
+        self.paged = PagedEngine(source, runtime, config, self.text)
         self._requests: dict[str, _Request] = {}  # submitted, not finished
         self._finished: dict[str, types.SampleOutput] = {}  # finished, not yet returned by `step`
-
-    # ---- decode ----
-
-    def _chunk_rows(self, rows: list[SampleRow]) -> list[list[int]]:
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i].prompt))
-        cap = self.config.sample_max_num_sequences or max(1, len(order))
-        return [order[i : i + cap] for i in range(0, len(order), cap)]
-
-    def _decode_chunk(self, rows: list[SampleRow]) -> DecodeOutputs:
-        fsdp = self.runtime.mesh.shape["fsdp"]
-        cap = self.config.sample_max_num_sequences
-        b = bucket_rows(len(rows), fsdp)
-        if cap:
-            b = min(b, -(-cap // fsdp) * fsdp)
-        p = bucket_length(max(len(r.prompt) for r in rows))
-        max_new = bucket_length(max(r.max_tokens for r in rows))
-        s = pow2_at_least(max(len(r.stop_tokens) for r in rows), 4)
-        want_topk = max(r.options.topk_sample_logprobs for r in rows)
-        topk = pow2_at_least(want_topk, 1) if want_topk else 0
-        arrays = {
-            "prompt_bt": np.zeros((b, p), np.int32),
-            "prompt_len_b": np.ones(b, np.int32),
-            "adapter_b": np.zeros(b, np.int32),
-            "max_tokens_b": np.zeros(b, np.int32),
-            "temperature_b": np.zeros(b, np.float32),
-            "top_k_b": np.zeros(b, np.int32),
-            "top_p_b": np.ones(b, np.float32),
-            "min_p_b": np.zeros(b, np.float32),
-            "repetition_penalty_b": np.ones(b, np.float32),
-            "seed_b": np.zeros(b, np.uint32),
-            "stop_bs": np.full((b, s), -1, np.int32),
-        }
-        for i, row in enumerate(rows):
-            arrays["prompt_bt"][i, : len(row.prompt)] = row.prompt
-            arrays["prompt_len_b"][i] = len(row.prompt)
-            arrays["adapter_b"][i] = row.adapter
-            arrays["max_tokens_b"][i] = row.max_tokens
-            arrays["temperature_b"][i] = row.temperature
-            arrays["top_k_b"][i] = row.top_k
-            arrays["top_p_b"][i] = row.top_p
-            arrays["min_p_b"][i] = row.min_p
-            arrays["repetition_penalty_b"][i] = row.repetition_penalty
-            arrays["seed_b"][i] = row.seed
-            arrays["stop_bs"][i, : len(row.stop_tokens)] = row.stop_tokens
-        fn = self.runtime.jit(("sample", b, p, max_new, s, topk), generate, ("max_new", "topk"))
-        out = self.runtime.run("sample", fn, self.source.model, DecodeInputs(**self.runtime.put_batch(arrays)),
-                               max_new=max_new, topk=topk)
-        return DecodeOutputs(*(None if x is None else to_host(x) for x in out))
 
     # ---- prompt scores (prompt_logprobs, topk_prompt_logprobs, target_prompt_logprobs, prompt_alt_tokens) ----
 
@@ -131,7 +79,8 @@ class Sampler:
 
     # ---- requests in flight: submit, step, and the one-call form ----
 
-    def _limits(self) -> SampleLimits:
+    def limits(self) -> SampleLimits:
+        """What `validate` checks each row against (vocabulary, lengths, samples, EOS, top-k limits)."""
         config = self.config
         return SampleLimits(
             vocab=self.source.model.config.vocab_size,
@@ -173,7 +122,7 @@ class Sampler:
                 return slot
             return source.sample_slot(model_id)
 
-        rows, errors = validate(batch, adapter_of, self._limits())
+        rows, errors = validate(batch, adapter_of, self.limits())
         refused = {batch.request_batch_slices[r][0]: types.ErrorResponse(error=msg) for r, msg in errors.items()}
         by_request: dict[int, list[SampleRow]] = {}
         for row in rows:
@@ -190,24 +139,19 @@ class Sampler:
             if q.request_id in self._requests:
                 raise ValueError(f"request {q.request_id} is already being sampled")
             self._requests[q.request_id] = q
-            if self.paged is not None:
-                self.paged.add(q.rows, [(q.request_id, j) for j in range(len(q.rows))])
+            self.paged.add(q.rows, [(q.request_id, j) for j in range(len(q.rows))])
         return refused
 
     def step(self) -> dict[str, types.SampleOutput]:
-        """Advance the unfinished requests (paged engine: one iteration; static: all of them to the end);
-        the requests that finished. A failure fails every unfinished request (the caller reports it)."""
+        """Advance the unfinished requests by one iteration of the paged engine; the requests that finished.
+        A failure fails every unfinished request (the caller reports it)."""
         try:
-            if self.paged is not None:
-                if self._requests:
-                    self._collect(self.paged.step())
-            elif self._requests:
-                self._run_static([q for q in self._requests.values() if q.left])
+            if self._requests:
+                self._collect(self.paged.step())
         except BaseException:
             self._requests.clear()
             self._finished.clear()
-            if self.paged is not None:
-                self.paged.reset()
+            self.paged.reset()
             raise
         out, self._finished = self._finished, {}
         return out
@@ -215,13 +159,8 @@ class Sampler:
     def before_weights_change(self, slot: int) -> None:
         """Adapter `slot`'s weights are about to change: finish the requests that sample from it first, so
         none mixes tokens of two versions (their results wait for the next `step`)."""
-        if self.paged is not None:
-            while self.paged.reads(slot):
-                self._collect(self.paged.step())
-        else:
-            pending = [q for q in self._requests.values() if q.left and any(r.adapter == slot for r in q.rows)]
-            if pending:
-                self._run_static(pending)
+        while self.paged.reads(slot):
+            self._collect(self.paged.step())
 
     def sample(self, batch: types.PreparedSampleBatch) -> dict[str, types.SampleOutput | types.ErrorResponse]:
         """Every request of `batch` sampled to the end (requests submitted before keep their results for
@@ -240,23 +179,11 @@ class Sampler:
         for (request_id, j), res in finished:
             q = self._requests[request_id]
             row = q.rows[j]
-            q.sequences[j] = sequence_of(res.as_outputs(row.options.topk_sample_logprobs), 0, row, self.decode_text)
+            q.sequences[j] = sequence_of(res, row, self.decode_text)
             q.cached = max(q.cached, res.cached_prompt_tokens)
             q.left -= 1
             if not q.left:
                 self._finished[request_id] = self._output(self._requests.pop(request_id))
-
-    def _run_static(self, requests: list[_Request]) -> None:
-        rows = [row for q in requests for row in q.rows]
-        owner = [(q, j) for q in requests for j in range(len(q.rows))]
-        for idx in self._chunk_rows(rows):
-            out = self._decode_chunk([rows[i] for i in idx])
-            for j, i in enumerate(idx):
-                q, k = owner[i]
-                q.sequences[k] = sequence_of(out, j, rows[i], self.decode_text)
-                q.left -= 1
-        for q in requests:
-            self._finished[q.request_id] = self._output(self._requests.pop(q.request_id))
 
     def _output(self, q: _Request) -> types.SampleOutput:
         output = types.SampleOutput(sequences=q.sequences, prompt_cache_hit_tokens=q.cached)

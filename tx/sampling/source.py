@@ -11,8 +11,6 @@ class SamplingSettings(Protocol):
     """The configuration fields the sampler and the paged engine read (`JaxBackendConfig` has them all;
     their meaning is in its field descriptions)."""
 
-    sample_engine: str
-    sample_max_num_sequences: int
     max_num_samples: int
     default_max_tokens: int
     max_topk_prompt_logprobs: int

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from tx.kernels.attention import SelfAttentionMask, attention, self_attention
+from tx.kernels.attention import SelfAttentionMask, self_attention
 from tx.kernels.paged_attention import PagedKV, paged_attention
 from tx.models.config import ModelConfig
 from tx.models.layers.lora import LoRALinear
@@ -156,19 +156,16 @@ class Attention(nnx.Module):
         self,
         x_btd: jax.Array,
         cos_sin: tuple[jax.Array, jax.Array],
-        mask: SelfAttentionMask | jax.Array,
+        mask: SelfAttentionMask | None,
         adapter_b: jax.Array | None,
-        cache: tuple[jax.Array, jax.Array, jax.Array] | PagedKV | None = None,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        """Attention output [b, t, d] and keys/values.
+        cache: PagedKV | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """Attention output [b, t, d], and None or the updated page pools.
 
-        Without `cache`, queries attend over this call's own keys (training, prefill) with the kernel and
-        segment ids of `mask` (a `SelfAttentionMask`), and the returned keys/values are this call's
-        `[b, t, kv, d]`. With `cache = (k_bskd, v_bskd, write_pos_b)` (decode), this call's keys/values are
-        written into the cache at each row's position, queries attend over the whole cache under the dense
-        `[b, t, s]` bool `mask` (reference kernel), and the updated cache is returned. With a `PagedKV`
-        (the sampling engine), they are written into its pages and queries attend over their sequences'
-        pages (`mask` unused); the updated pools are returned. The kernel runs per device (module doc)."""
+        Without `cache`, queries attend over this call's own keys (training, scoring) with the kernel and
+        segment ids of `mask` (a `SelfAttentionMask`). With a `PagedKV` (the sampling engine), this call's
+        keys/values are written into its pages and queries attend over their sequences' pages (`mask`
+        unused); the updated pools `(k_pool, v_pool)` are returned. The kernel runs per device (module doc)."""
         b, t, _ = x_btd.shape
         q_bthd = self.q_proj(x_btd, adapter_b).reshape(b, t, self.num_heads, self.head_dim)
         k_btkd = self.k_proj(x_btd, adapter_b).reshape(b, t, self.num_kv_heads, self.head_dim)
@@ -180,21 +177,13 @@ class Attention(nnx.Module):
         k_btkd = self.shard.constrain(k_btkd, KV_AXES)
         v_btkd = self.shard.constrain(v_btkd, KV_AXES)
         scale = self.head_dim**-0.5
-        if isinstance(cache, PagedKV):
+        if cache is not None:
             cache = cache.write(k_btkd, v_btkd)  # GSPMD: every fsdp replica of the pools gets every row's entries
             out_bthd = local_paged_attention(self.shard, cache, q_bthd, scale)
             return self.o_proj(out_bthd.reshape(b, t, -1), adapter_b), (cache.k_pool, cache.v_pool)
-        if cache is not None:
-            k_cache, v_cache, write_pos_b = cache
-            write = jax.vmap(lambda c, new, p: jax.lax.dynamic_update_slice(c, new.astype(c.dtype), (p, 0, 0)))
-            k_btkd, v_btkd = write(k_cache, k_btkd, write_pos_b), write(v_cache, v_btkd, write_pos_b)
-        if isinstance(mask, SelfAttentionMask):
-            kernel = functools.partial(self_attention, scale=scale, impl=mask.impl, platform=mask.platform)
-            rows_mask, mask_axes = mask.segment_ids_bt, ("batch", "length")
-        else:  # the static cache's decode: the reference kernel under a dense [b, t, s] mask over the cache
-            kernel = functools.partial(attention, scale=scale)
-            rows_mask, mask_axes = mask, ("batch", "length", None)
-        run = local_with_local_grads(self.shard, kernel, (Q_AXES, KV_AXES, KV_AXES, mask_axes), Q_AXES,
+        kernel = functools.partial(self_attention, scale=scale, impl=mask.impl, platform=mask.platform)
+        rows_mask = mask.segment_ids_bt
+        run = local_with_local_grads(self.shard, kernel, (Q_AXES, KV_AXES, KV_AXES, ("batch", "length")), Q_AXES,
                                      (q_bthd.shape, k_btkd.shape, v_btkd.shape, rows_mask.shape), q_bthd.shape)
         out_bthd = run(q_bthd, k_btkd, v_btkd, rows_mask)
-        return self.o_proj(out_bthd.reshape(b, t, -1), adapter_b), (k_btkd, v_btkd)
+        return self.o_proj(out_bthd.reshape(b, t, -1), adapter_b), None
