@@ -48,3 +48,18 @@ def tiny_dirs(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(params=list(TINY_SPECS))
 def tiny_dir(request, tiny_dirs) -> str:
     return tiny_dirs[request.param]
+
+
+# The slowest files (minutes each: subprocess hosts, servers, recipes, many mesh shapes) are handed to the xdist
+# workers first; picked up last, one of them would keep a worker busy while the other has nothing left to run.
+SLOW_FILES_FIRST = (
+    "distributed/test_multihost_parity.py", "api/test_recipes.py", "api/test_service.py",
+    "models/test_collectives.py", "checkpoints/test_sampler.py", "distributed/test_multihost.py",
+    "backends/test_full.py", "sampling/test_paged_engine.py", "backends/test_jax_backend.py", "rl/test_trainer.py",
+    "backends/test_precompile.py", "checkpoints/test_sampler_faults.py", "sft/test_trainer.py", "rl/test_service.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].removeprefix("tests/"), len(rank)))  # stable
