@@ -94,6 +94,15 @@ def columns(url: str, table: str) -> list[str]:
         engine.dispose()
 
 
+def old_schema(*without: str) -> sa.MetaData:
+    """The tables of an older schema: today's without the columns named and without schema 4's train_steps."""
+    old = sa.MetaData()
+    for table in store_mod.metadata.tables.values():
+        if table.name != "train_steps":
+            sa.Table(table.name, old, *[c._copy() for c in table.columns if c.name not in without])
+    return old
+
+
 # ---- backend setup ----
 
 
@@ -462,11 +471,7 @@ def test_rows_carry_their_owner_and_listings_filter_by_it(store, clock):
 
 def test_schema_1_database_gets_owner_columns(url):
     """A database written by schema 1 (no owner columns) is migrated; its rows belong to nobody."""
-    v1 = sa.MetaData()
-    later = ("owner", "public", *store_mod.SPAN_COLUMNS)  # the columns schemas 2-4 added
-    for table in store_mod.metadata.tables.values():
-        if table.name != "train_steps":  # schema 4's table
-            sa.Table(table.name, v1, *[c._copy() for c in table.columns if c.name not in later])
+    v1 = old_schema("owner", "public", *store_mod.SPAN_COLUMNS)  # the columns schemas 2-4 added
     engine = sa.create_engine(url)
     try:
         with engine.begin() as conn:
@@ -493,10 +498,7 @@ def test_schema_1_database_gets_owner_columns(url):
 
 def test_schema_3_database_gets_spans_and_train_steps(url):
     """A schema 3 database (no span columns, no train_steps) is migrated; its futures keep their rows."""
-    v3 = sa.MetaData()
-    for table in store_mod.metadata.tables.values():
-        if table.name != "train_steps":
-            sa.Table(table.name, v3, *[c._copy() for c in table.columns if c.name not in store_mod.SPAN_COLUMNS])
+    v3 = old_schema(*store_mod.SPAN_COLUMNS)
     engine = sa.create_engine(url)
     try:
         with engine.begin() as conn:
@@ -702,11 +704,7 @@ def test_sqlite_reads_do_not_wait_for_an_open_write(tmp_path):
 
 def test_schema_2_database_gets_public_column(url):
     """A schema-2 database (no checkpoints.public) is migrated; its checkpoints stay private."""
-    v2 = sa.MetaData()
-    later = ("public", *store_mod.SPAN_COLUMNS)  # the columns schemas 3-4 added
-    for table in store_mod.metadata.tables.values():
-        if table.name != "train_steps":  # schema 4's table
-            sa.Table(table.name, v2, *[c._copy() for c in table.columns if c.name not in later])
+    v2 = old_schema("public", *store_mod.SPAN_COLUMNS)  # the columns schemas 3-4 added
     engine = sa.create_engine(url)
     try:
         with engine.begin() as conn:

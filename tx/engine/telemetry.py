@@ -102,6 +102,21 @@ def stored_record(row: dict) -> RequestRecord:
                          row["finished_at"], status, row["tokens_out"] or 0)
 
 
+def append_recent(rings: dict[str, deque], key: str, item, maxlen: int, max_keys: int) -> list[str]:
+    """Append `item` to `key`'s ring (at most `maxlen` items, the oldest dropped) and make `key` the most recent
+    (dicts keep insertion order); past `max_keys` keys the least recent go: returned."""
+    ring = rings.pop(key, None)
+    if ring is None:
+        ring = deque(maxlen=maxlen)
+    ring.append(item)
+    rings[key] = ring
+    dropped = []
+    while len(rings) > max_keys:
+        dropped.append(oldest := next(iter(rings)))
+        del rings[oldest]
+    return dropped
+
+
 def session_of(op: Op) -> str | None:
     """The session a request belongs to: its own, else the one its model was created in."""
     if op.session_id is not None:
@@ -192,15 +207,8 @@ class Telemetry:
         with self._lock:
             self.calls.append(record)
             for session, _, _ in record.shares:
-                if not session:
-                    continue
-                ring = self._session_calls.pop(session, None)  # re-inserted last: the most recently called
-                if ring is None:
-                    ring = deque(maxlen=self.max_session_calls)
-                ring.append(record)
-                self._session_calls[session] = ring
-            while len(self._session_calls) > self.max_call_sessions:
-                del self._session_calls[next(iter(self._session_calls))]
+                if session:
+                    append_recent(self._session_calls, session, record, self.max_session_calls, self.max_call_sessions)
 
     def call_of(self, kind: str, base_model: str, start: float, end: float, ops: list[Op], ok: bool) -> None:
         """A call that ran `ops` (rows: their datums or sequences; tokens: their input or prompt tokens)."""
@@ -328,14 +336,7 @@ class LossHistory:
             p = self._pending.pop(model_id, None) or StepPoint(0, 0.0, 0.0, 0, 0, {})
             p.step, p.time = step, time.time() if now is None else now
             p.metrics.update({f"optim/{k}": float(v) for k, v in metrics.items()})
-            steps = self._steps.pop(model_id, None)  # re-inserted last: the most recently trained
-            if steps is None:
-                steps = deque(maxlen=self.max_steps)
-            steps.append(p)
-            self._steps[model_id] = steps
-            while len(self._steps) > self.max_models:
-                oldest = next(iter(self._steps))
-                del self._steps[oldest]
+            for oldest in append_recent(self._steps, model_id, p, self.max_steps, self.max_models):
                 self._count.pop(oldest, None)
                 self._pending.pop(oldest, None)
             return step_row(p)
