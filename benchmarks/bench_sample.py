@@ -132,14 +132,15 @@ def main() -> None:
                         runner.run(prompts, args.new_tokens)
                         prefill = timed(lambda: runner.run(prompts, 1))
                         total = timed(lambda: runner.run(prompts, args.new_tokens))
-                        decode = max(total - prefill, 1e-9)
+                        decode = total - prefill  # <= 0: within timing noise of the prefill (tiny shapes)
                         row = {
                             "framework": runner.name, "workload": workload,
-                            "shapes": {"params": params, "batch": batch, "prompt_len": plen,
+                            "shapes": {"family": args.family, "params": params, "batch": batch, "prompt_len": plen,
                                        "new_tokens": args.new_tokens, "adapters": adapters, "rank": RANK},
                             "prefill_tokens_per_s": round(batch * plen / prefill, 1),
-                            "decode_tokens_per_s": round(batch * (args.new_tokens - 1) / decode, 1),
-                            "step_time_s": round(decode / max(args.new_tokens - 1, 1), 5),
+                            "decode_tokens_per_s": round(batch * (args.new_tokens - 1) / decode, 1) if decode > 0
+                            else None,
+                            "step_time_s": round(max(decode, 0.0) / max(args.new_tokens - 1, 1), 5),
                             "total_s": round(total, 4), "compiles": runner.compiles(),
                             "device": jax.devices()[0].device_kind if runner.name.startswith("tx") else "cpu",
                         }
@@ -163,7 +164,8 @@ def rl_workload(model_dir: Path, params: int, args) -> None:
     n, k, plen = args.rl_prompts, args.rl_samples, args.rl_prompt_len
     max_tokens = rng.integers(args.rl_max_tokens[0], args.rl_max_tokens[1] + 1, n).tolist()
     generated = k * sum(max_tokens)
-    shapes = {"params": params, "prompts": n, "samples": k, "prompt_len": plen, "max_tokens": args.rl_max_tokens,
+    shapes = {"family": args.family, "params": params, "prompts": n, "samples": k, "prompt_len": plen,
+              "max_tokens": args.rl_max_tokens,
               "rank": RANK, "hidden": args.hidden_size, "layers": args.num_layers, "vocab": args.vocab_size}
 
     def rl_batch(prompts):

@@ -219,8 +219,8 @@ def main() -> None:
     args = parser.parse_args()
 
     with random_model(args) as (model_dir, params):
-        shapes = {"params": params, "batch": args.batch, "seq_len": args.seq_len, "hidden": args.hidden_size,
-                  "layers": args.num_layers, "vocab": args.vocab_size, "rank": RANK,
+        shapes = {"family": args.family, "params": params, "batch": args.batch, "seq_len": args.seq_len,
+                  "hidden": args.hidden_size, "layers": args.num_layers, "vocab": args.vocab_size, "rank": RANK,
                   "gradient_checkpointing": args.gradient_checkpointing, "attention_impl": args.attention_impl}
         if args.full:
             runners = [lambda: bench_tx_full(model_dir, args)]

@@ -16,7 +16,10 @@ import numpy as np
 def add_model_args(parser: argparse.ArgumentParser, *, hidden: int, layers: int, heads: int, kv_heads: int,
                    intermediate: int, vocab: int = 32000, head_dim: int | None = None) -> None:
     """The model-shape flags; `--head-dim` defaults to hidden / heads unless `head_dim` is given."""
-    g = parser.add_argument_group("model shape (a random Qwen3 checkpoint is written for the run)")
+    g = parser.add_argument_group("model shape (a random checkpoint of that family is written for the run)")
+    g.add_argument("--family", choices=["qwen3", "llama"], default="qwen3",
+                   help="qwen3: Qwen3ForCausalLM (q/k norms); llama: Llama 3's LlamaForCausalLM (no q/k norms, "
+                   "Llama 3.1 RoPE scaling)")
     g.add_argument("--hidden-size", type=int, default=hidden)
     g.add_argument("--num-layers", type=int, default=layers)
     g.add_argument("--num-heads", type=int, default=heads)
@@ -30,7 +33,8 @@ def model_spec(args: argparse.Namespace, **overrides):
     """The TinySpec of the shape flags in `args` (random weights, std 0.02), with `overrides` applied."""
     from tx.models.tiny import TinySpec
 
-    fields = dict(hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
+    family = getattr(args, "family", "qwen3")
+    fields = dict(family=family, llama3_rope=family == "llama", hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
                   num_kv_heads=args.num_kv_heads, head_dim=args.head_dim or args.hidden_size // args.num_heads,
                   intermediate_size=args.intermediate_size, vocab_size=args.vocab_size, init_std=0.02)
     return TinySpec(**{**fields, **overrides})

@@ -21,6 +21,7 @@ from tx.models.adapters import get_adapter_weights
 from tx.models.config import ModelConfig
 from tx.models.layers.rope import inv_freq
 from tx.models.loading import load_model
+from tx.models.tiny import TinySpec, write_tiny_model
 
 TOL = 1e-4
 # Llama 3.1 8B's and 3.2 1B's RoPE (head_dim 128, theta 500000)
@@ -129,3 +130,26 @@ def test_sharded_over_8_devices_equals_one_device(llama_dirs):
     for shape in MESHES:
         _, got = _run(str(llama_dirs[False]), make_mesh(*shape))
         np.testing.assert_allclose(got, want, atol=2e-5, err_msg=f"mesh {shape}")
+
+
+def test_tx_written_llama_checkpoint_matches_transformers(tmp_path):
+    """`tx.models.tiny` with family="llama" (what the benchmarks' --family llama writes) is a checkpoint
+    transformers loads as its own Llama: the same config and the same log-probs as tx's model (1e-4)."""
+    spec = TinySpec(family="llama", llama3_rope=True, max_position_embeddings=1024, init_std=0.2, seed=5)
+    model_dir = write_tiny_model(tmp_path / "llama", spec)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert isinstance(hf, LlamaForCausalLM) and hf.config.rope_parameters["rope_type"] == "llama3"
+    cfg = ModelConfig.from_dir(model_dir)
+    assert cfg.architecture == "LlamaForCausalLM" and not cfg.qk_norm and cfg.llama3_rope.factor == 8.0
+    model = load_model(model_dir)
+    ids, mask, targets = random_batch(6, [300, 64], 512)
+    hidden = model(jnp.asarray(ids), jnp.asarray(mask), jnp.zeros(2, jnp.int32))
+    got = np.asarray(model.target_logprobs(hidden, jnp.asarray(targets), jnp.zeros(2, jnp.int32)))
+    want = hf_logprobs(hf, ids, mask, targets)
+    valid = mask.astype(bool)
+    assert np.abs(got - want)[valid].max() <= TOL
+    assert np.abs(want[valid] - want[valid].mean()).max() > 1e-2
+    with pytest.raises(ValueError, match="moe=True needs family='qwen3'"):
+        TinySpec(family="llama", moe=True)
+    with pytest.raises(ValueError, match="llama3_rope=True needs family='llama'"):
+        TinySpec(llama3_rope=True)

@@ -1,11 +1,12 @@
-"""Write a random Qwen3 / Qwen3-MoE checkpoint in HF format, offline.
+"""Write a random Qwen3 / Qwen3-MoE / Llama 3 checkpoint in HF format, offline.
 
-    python -m tx.models.tiny OUT_DIR [--moe] [--hidden-size 64] [--num-layers 2] [--shards 2] ...
+    python -m tx.models.tiny OUT_DIR [--moe] [--family llama] [--hidden-size 64] [--num-layers 2] [--shards 2] ...
 
 The directory holds `config.json`, `model.safetensors` (or several shards with
 `model.safetensors.index.json`), `generation_config.json` and a small BPE tokenizer with Qwen's special
 tokens and a chat template, so transformers, tx and the tinker SDK's tokenizer code all load it.
-Tensor names and layouts are those of the released Qwen3 checkpoints (per-expert MoE weights).
+Tensor names and layouts are those of the released Qwen3 checkpoints (per-expert MoE weights); `family="llama"`
+writes a `LlamaForCausalLM` (no q/k norms; with `llama3_rope`, Llama 3.1's `rope_scaling`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Literal
 
 import ml_dtypes
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tx.models.safetensors_io import SafetensorsDir, save_file
 from tx.models.tiny_tokenizer import SPECIAL_TOKENS, build_tokenizer
@@ -28,6 +29,8 @@ class TinySpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    family: Literal["qwen3", "llama"] = Field("qwen3", description="qwen3 (dense or --moe) or llama (Llama 3, dense)")
+    llama3_rope: bool = Field(False, description="llama: Llama 3.1's rope_scaling (factor 8, original context 8192)")
     vocab_size: int = Field(512, ge=len(SPECIAL_TOKENS) + 256, description="model vocab (>= tokenizer size)")
     hidden_size: int = Field(64, gt=0)
     intermediate_size: int = Field(128, gt=0)
@@ -50,11 +53,26 @@ class TinySpec(BaseModel):
     seed: int = 0
     shards: int = Field(1, ge=1, description="number of safetensors files (>1 writes an index)")
 
+    @model_validator(mode="after")
+    def _family_fields(self):
+        if self.family == "llama" and self.moe:
+            raise ValueError("moe=True needs family='qwen3' (Llama 3 is dense)")
+        if self.llama3_rope and self.family != "llama":
+            raise ValueError(f"llama3_rope=True needs family='llama' (family={self.family!r})")
+        return self
+
+# Llama 3.1's RoPE scaling (its released config.json)
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
 
 def hf_config(spec: TinySpec) -> dict:
+    arch, model_type = ("Qwen3MoeForCausalLM", "qwen3_moe") if spec.moe else ("Qwen3ForCausalLM", "qwen3")
+    if spec.family == "llama":
+        arch, model_type = "LlamaForCausalLM", "llama"
     cfg = {
-        "architectures": ["Qwen3MoeForCausalLM" if spec.moe else "Qwen3ForCausalLM"],
-        "model_type": "qwen3_moe" if spec.moe else "qwen3",
+        "architectures": [arch],
+        "model_type": model_type,
         "vocab_size": spec.vocab_size,
         "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size,
@@ -75,6 +93,8 @@ def hf_config(spec: TinySpec) -> dict:
         "dtype": spec.dtype,
         "use_cache": True,
     }
+    if spec.family == "llama":
+        cfg |= {"mlp_bias": False, "pretraining_tp": 1, "rope_scaling": LLAMA31_ROPE if spec.llama3_rope else None}
     if spec.moe:
         cfg |= {
             "num_experts": spec.num_experts,
@@ -112,9 +132,9 @@ def random_weights(spec: TinySpec) -> dict[str, np.ndarray]:
             p + "self_attn.k_proj.weight": w(spec.num_kv_heads * hd, d),
             p + "self_attn.v_proj.weight": w(spec.num_kv_heads * hd, d),
             p + "self_attn.o_proj.weight": w(d, spec.num_heads * hd),
-            p + "self_attn.q_norm.weight": norm(hd),
-            p + "self_attn.k_norm.weight": norm(hd),
         }
+        if spec.family == "qwen3":
+            out |= {p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd)}
         sparse = spec.moe and i not in spec.mlp_only_layers and (i + 1) % spec.decoder_sparse_step == 0
         if sparse:
             ff = spec.moe_intermediate_size
@@ -162,13 +182,16 @@ def write_tiny_model(out_dir: str | Path, spec: TinySpec | None = None) -> Path:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m tx.models.tiny",
-        description="Write a random Qwen3 (or Qwen3-MoE) checkpoint with a tokenizer in HF format, offline.",
+        description="Write a random Qwen3 (or Qwen3-MoE, or Llama 3) checkpoint with a tokenizer in HF format, "
+        "offline.",
     )
     parser.add_argument("out_dir", help="directory to write (created if missing)")
     for name, field in TinySpec.model_fields.items():
         flag = "--" + name.replace("_", "-")
         if field.annotation is bool:
             parser.add_argument(flag, action="store_true", default=None, help=field.description or f"set {name}")
+        elif name == "family":
+            parser.add_argument(flag, choices=["qwen3", "llama"], help=f"{field.description} (default qwen3)")
         elif name == "mlp_only_layers":
             parser.add_argument(flag, type=int, nargs="*", help="layer indices that keep a dense MLP")
         else:
