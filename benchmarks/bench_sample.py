@@ -76,8 +76,7 @@ class HFRunner:
 
         self.torch = torch
         base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-        cfg = LoraConfig(r=RANK, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                               "up_proj", "down_proj", "lm_head"])
+        cfg = LoraConfig(r=RANK, lora_alpha=32, target_modules=peft_targets(args.family))
         self.model = get_peft_model(base, cfg, adapter_name="m0")
         for a in range(1, adapters):
             self.model.add_adapter(f"m{a}", cfg)
@@ -154,6 +153,21 @@ def main() -> None:
                               flush=True)
 
 
+def hf_kv_bytes_per_token(cfg, itemsize: int) -> int:
+    """Bytes transformers' cache holds per token: K and V per kv head; DeepSeek-V3's holds every head's expanded
+    key (qk_nope + qk_rope dims) and value."""
+    if cfg.mla is not None:
+        return cfg.num_hidden_layers * cfg.num_attention_heads * (cfg.mla.qk_head_dim + cfg.mla.v_head_dim) * itemsize
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
+
+
+def peft_targets(family: str) -> list[str]:
+    """PEFT's target modules for tx's default LoRA (every linear and the LM head) of the family."""
+    attention = (["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"] if family == "deepseek_v3"
+                 else ["q_proj", "k_proj", "v_proj", "o_proj"])
+    return attention + ["gate_proj", "up_proj", "down_proj", "lm_head"]
+
+
 def rl_workload(model_dir: Path, params: int, args) -> None:
     import jax
 
@@ -185,8 +199,8 @@ def rl_workload(model_dir: Path, params: int, args) -> None:
     backend = tx.JaxBackend(str(model_dir), tx.JaxBackendConfig(
         max_lora_adapters=2, max_lora_rank=RANK, max_seq_len=plen + args.rl_max_tokens[1] + 1, max_num_samples=k))
     backend.create_model("m0", types.LoraConfig(rank=RANK, seed=0))
-    cfg, dtype_bytes = backend.model.config, backend.model.embed_tokens.embedding[...].dtype.itemsize
-    token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+    token_bytes = backend.model.kv_bytes_per_token()  # what the paged cache holds per token (MLA: the latent)
+    peer_token_bytes = hf_kv_bytes_per_token(backend.model.config, backend.model.embed_tokens.embedding[...].dtype.itemsize)
     backend.sample(warm)  # compile
     before = dict(backend.metrics.sampling)
     with PeakRSS() as rss:
@@ -213,8 +227,7 @@ def rl_workload(model_dir: Path, params: int, args) -> None:
         from transformers import AutoModelForCausalLM
 
         base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-        model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=32, target_modules=[
-            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"])).eval()
+        model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=32, target_modules=peft_targets(args.family))).eval()
         torch.manual_seed(0)
         with PeakRSS() as rss, torch.no_grad():
             start = time.perf_counter()
@@ -226,7 +239,7 @@ def rl_workload(model_dir: Path, params: int, args) -> None:
         rows["peer"] = {"framework": "transformers+peft", "workload": "sample_rl", "shapes": shapes,
                         "tokens_per_s": round(generated / elapsed, 1), "total_s": round(elapsed, 3),
                         "prefill_tokens_computed": n * k * plen,
-                        "peak_kv_bytes": k * (plen + args.rl_max_tokens[1]) * token_bytes, "peak_rss_bytes": rss.peak,
+                        "peak_kv_bytes": k * (plen + args.rl_max_tokens[1]) * peer_token_bytes, "peak_rss_bytes": rss.peak,
                         "device": "cpu"}
         print(json.dumps(rows["peer"]), flush=True)
     if "peer" in rows:

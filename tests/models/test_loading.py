@@ -62,8 +62,8 @@ def test_unknown_architecture_and_bad_paths(dense_copy, tmp_path):
         load_model(dense_copy)
     model_type = cfg.pop("model_type")  # without one, the architecture alone picks the family
     (dense_copy / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="unknown architecture 'GPT2LMHeadModel'; registered: LlamaForCausalLM, "
-                                         "Qwen3ForCausalLM"):
+    with pytest.raises(ValueError, match="unknown architecture 'GPT2LMHeadModel'; registered: DeepseekV3ForCausalLM, "
+                                         "LlamaForCausalLM, Qwen3ForCausalLM"):
         load_model(dense_copy)
     with pytest.raises(FileNotFoundError, match="not a directory"):
         load_model(str(tmp_path / "nope"))
@@ -71,9 +71,9 @@ def test_unknown_architecture_and_bad_paths(dense_copy, tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_model(tmp_path / "empty")
     cfg["architectures"], cfg["model_type"] = ["Qwen3ForCausalLM"], model_type
-    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    cfg["rope_scaling"] = {"rope_type": "dynamic", "factor": 4.0}
     (dense_copy / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="rope_type='yarn' is not supported"):
+    with pytest.raises(ValueError, match="rope_type='dynamic' is not supported"):
         load_model(dense_copy)
 
 

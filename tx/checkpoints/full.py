@@ -41,6 +41,7 @@ from tx.checkpoints.training import CheckpointError, _flatten, base_signature, r
 from tx.checkpoints.hf_files import SIDE_FILES, copy_files
 from tx.models.config import ModelConfig
 from tx.models.layers.lora import LoraA, LoraB
+from tx.models.layers.moe import RouterBias
 from tx.models.safetensors_io import write_streaming
 from tx.models.sharding import to_host
 
@@ -177,6 +178,7 @@ def hf_layout(model: nnx.Module, shapes: dict[tuple[str, ...], tuple[int, ...]])
         elif len(path) > 4 and path[0] == "stacks" and path[2] == "layer":
             rest = path[3:]
             module, transpose = ".".join(rest[:-1]), rest[-1] == "kernel"
+            leaf = ".weight" if rest[-1] in ("kernel", "weight") else "." + rest[-1]  # e.g. e_score_correction_bias
             for j, i in enumerate(model.stacks[int(path[1])].layer_ids):
                 prefix = f"model.layers.{i}."
                 if rest[:2] == ("mlp", "experts"):  # [L, E, in, out]
@@ -185,7 +187,7 @@ def hf_layout(model: nnx.Module, shapes: dict[tuple[str, ...], tuple[int, ...]])
                         keyed.append(((1, i, module, e), HFTensor(name, path, (j, e), True, shape[2:][::-1])))
                 else:
                     inner = shape[1:][::-1] if transpose else shape[1:]
-                    keyed.append(((1, i, module, 0), HFTensor(prefix + module + ".weight", path, (j,), transpose, inner)))
+                    keyed.append(((1, i, module, leaf), HFTensor(prefix + module + leaf, path, (j,), transpose, inner)))
         else:
             raise CheckpointError(f"no HF tensor name known for parameter {'.'.join(path)}")
     return [t for _, t in sorted(keyed, key=lambda kt: kt[0])]
@@ -249,6 +251,8 @@ def export_hf_model(path, model: nnx.Module, base_model_dir, *, dtype: str | Non
     state = nnx.state(model, BASE_WEIGHTS) if weights is None else weights
     arrays = {tuple(str(p) for p in k): v.get_value() if isinstance(v, nnx.Variable) else v
               for k, v in nnx.to_flat_state(state)}
+    # the checkpoint's other tensors, never trained (DeepSeek-V3's expert-selection bias)
+    arrays |= {tuple(str(p) for p in k): v.get_value() for k, v in nnx.to_flat_state(nnx.state(model, RouterBias))}
     tensors = hf_layout(model, {k: tuple(v.shape) for k, v in arrays.items()})
     out_dtype = {t.name: jnp.dtype(dtype or arrays[t.param].dtype) for t in tensors}
     nbytes = {t.name: math.prod(t.shape) * out_dtype[t.name].itemsize for t in tensors}

@@ -181,11 +181,12 @@ def paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale: fl
 class PagedKV:
     """What a layer needs to write and read the paged cache: one stack's pools, the layer's index in it,
     the sequences' page tables and the positions of this call's tokens (`valid_bt` False: padding, written
-    to the trash page). `impl`, `kv_block`, `platform` (the program's; None: JAX's first device's) and
-    `kv_blocks` (None: found on the device; see `paged_attention`) are static."""
+    to the trash page). `v_pool` None: one pool of per-token entries that serve as keys and (a leading part
+    of them) as values (latent attention, DeepSeek-V3). `impl`, `kv_block`, `platform` (the program's; None:
+    JAX's first device's) and `kv_blocks` (None: found on the device; see `paged_attention`) are static."""
 
     k_pool: jax.Array
-    v_pool: jax.Array
+    v_pool: jax.Array | None
     layer: jax.Array
     table_bw: jax.Array
     pos_bt: jax.Array
@@ -195,16 +196,28 @@ class PagedKV:
     platform: str | None = None
     kv_blocks: int | None = None
 
-    def write(self, k_btkd: jax.Array, v_btkd: jax.Array) -> PagedKV:
-        """This cache with this call's keys/values `[b, t, kv, d]` written into its pools (each token at its
-        page slot, padding into the trash page)."""
+    @property
+    def pools(self) -> tuple[jax.Array, ...]:
+        """(k_pool, v_pool), or (k_pool,) for one latent pool."""
+        return (self.k_pool,) if self.v_pool is None else (self.k_pool, self.v_pool)
+
+    def with_pools(self, pools: tuple[jax.Array, ...], layer: jax.Array) -> PagedKV:
+        """This cache over `pools` (as `pools` gives them) at `layer`."""
+        return dataclasses.replace(self, k_pool=pools[0], v_pool=pools[1] if len(pools) > 1 else None, layer=layer)
+
+    def write(self, k_btkd: jax.Array, v_btkd: jax.Array | None = None) -> PagedKV:
+        """This cache with this call's keys/values `[b, t, kv, d]` (or latent entries, without a v pool)
+        written into its pools (each token at its page slot, padding into the trash page)."""
         page_bt, offset_bt = token_slots(self.table_bw, self.pos_bt, self.k_pool.shape[2], self.valid_bt)
-        return dataclasses.replace(self, k_pool=write_kv_pages(self.k_pool, self.layer, k_btkd, page_bt, offset_bt),
-                                   v_pool=write_kv_pages(self.v_pool, self.layer, v_btkd, page_bt, offset_bt))
+        k_pool = write_kv_pages(self.k_pool, self.layer, k_btkd, page_bt, offset_bt)
+        v_pool = None if self.v_pool is None else write_kv_pages(self.v_pool, self.layer, v_btkd, page_bt, offset_bt)
+        return dataclasses.replace(self, k_pool=k_pool, v_pool=v_pool)
 
     def read(self, q_bthd: jax.Array, scale: float) -> jax.Array:
-        """The queries' attention `[b, t, h, d]` over the pools as they are (write first)."""
-        return paged_attention(q_bthd, self.k_pool, self.v_pool, self.layer, self.table_bw, self.pos_bt, scale,
+        """The queries' attention `[b, t, h, d]` over the pools as they are (write first); over a latent pool
+        the values are the entries themselves."""
+        v_pool = self.k_pool if self.v_pool is None else self.v_pool
+        return paged_attention(q_bthd, self.k_pool, v_pool, self.layer, self.table_bw, self.pos_bt, scale,
                                self.impl, self.kv_block, self.platform, self.kv_blocks)
 
     def attend(self, q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array,

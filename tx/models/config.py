@@ -24,8 +24,47 @@ class Llama3Rope(BaseModel):
     original_max_position_embeddings: int = Field(gt=0)
 
 
+class YarnRope(BaseModel):
+    """YaRN RoPE scaling (`rope_type: yarn`; DeepSeek-V3, Kimi-K2, long-context Qwen3), transformers' fields."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    factor: float = Field(gt=0)
+    original_max_position_embeddings: int = Field(gt=0)
+    beta_fast: float = Field(32.0, gt=0)
+    beta_slow: float = Field(1.0, gt=0)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def key(self) -> tuple:
+        """The tuple `tx.models.layers.rope.yarn_inv_freq` takes."""
+        return (self.factor, self.original_max_position_embeddings, self.beta_fast, self.beta_slow, self.mscale,
+                self.mscale_all_dim, self.attention_factor, self.truncate)
+
+
+class MLA(BaseModel):
+    """DeepSeek-V2/V3's multi-head latent attention: queries through an optional low-rank `q_lora_rank`
+    bottleneck, keys and values from one `kv_lora_rank` latent per token (plus a shared RoPE key of
+    `qk_rope_head_dim`), each head's query/key = a `qk_nope_head_dim` part without RoPE and the RoPE part."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    q_lora_rank: int | None = Field(None, gt=0, description="None: one q_proj; else q_a_proj -> norm -> q_b_proj")
+    kv_lora_rank: int = Field(gt=0)
+    qk_nope_head_dim: int = Field(gt=0)
+    qk_rope_head_dim: int = Field(gt=0)
+    v_head_dim: int = Field(gt=0)
+    rope_interleave: bool = Field(True, description="the RoPE dims are stored interleaved (HF DeepseekV3's default)")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
 class ModelConfig(BaseModel):
-    """Architecture of a Qwen3 / Qwen3-MoE / Llama 3 model, validated from an HF config dict."""
+    """Architecture of a Qwen3 / Qwen3-MoE / Llama 3 / DeepSeek-V3 model, validated from an HF config dict."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -40,6 +79,7 @@ class ModelConfig(BaseModel):
     rms_norm_eps: float = Field(gt=0)
     rope_theta: float = Field(gt=0)
     llama3_rope: Llama3Rope | None = Field(None, description="Llama 3.1 RoPE scaling (rope_type llama3); None: default RoPE")
+    yarn_rope: YarnRope | None = Field(None, description="YaRN RoPE scaling (rope_type yarn)")
     qk_norm: bool = Field(True, description="per-head RMSNorm of queries and keys before RoPE (Qwen3; Llama has none)")
     max_position_embeddings: int = Field(gt=0)
     tie_word_embeddings: bool = False
@@ -51,6 +91,17 @@ class ModelConfig(BaseModel):
     norm_topk_prob: bool = False
     decoder_sparse_step: int = Field(1, gt=0)
     mlp_only_layers: tuple[int, ...] = ()
+    # DeepSeek-V3: latent attention, sigmoid routing over expert groups, shared experts, dense first layers
+    mla: MLA | None = Field(None, description="multi-head latent attention (DeepSeek-V3); None: grouped-query")
+    moe_router: Literal["softmax", "sigmoid_grouped"] = Field(
+        "softmax", description="softmax top-k (Qwen3-MoE) or DeepSeek-V3's sigmoid scores with a selection bias, "
+                               "top-k within the best `topk_group` of `n_group` expert groups")
+    n_group: int = Field(1, gt=0)
+    topk_group: int = Field(1, gt=0)
+    routed_scaling_factor: float = Field(1.0, gt=0)
+    n_shared_experts: int = Field(0, ge=0, description="experts every token goes through (one MLP of that many "
+                                                        "times moe_intermediate_size)")
+    first_k_dense_replace: int = Field(0, ge=0, description="the first layers keep a dense MLP")
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -66,12 +117,23 @@ class ModelConfig(BaseModel):
                 )
             if self.moe_intermediate_size <= 0:
                 raise ValueError("moe_intermediate_size must be > 0 for an MoE model")
+            if self.num_experts % self.n_group or not self.topk_group <= self.n_group:
+                raise ValueError(f"n_group={self.n_group} must divide num_experts={self.num_experts} and be >= "
+                                 f"topk_group={self.topk_group}")
+            if self.moe_router == "sigmoid_grouped" and self.num_experts // self.n_group < 2:
+                raise ValueError(f"sigmoid_grouped routing scores each group by its best two experts: "
+                                 f"num_experts={self.num_experts} / n_group={self.n_group} is below 2")
+        if self.mla is not None and self.head_dim != self.mla.qk_rope_head_dim:
+            raise ValueError(f"head_dim={self.head_dim} must equal mla.qk_rope_head_dim={self.mla.qk_rope_head_dim} "
+                             f"(RoPE covers the rope part of each head)")
         return self
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Qwen3-MoE's rule: sparse unless listed in mlp_only_layers or off the decoder_sparse_step grid."""
+        """Qwen3-MoE's rule (sparse unless listed in mlp_only_layers or off the decoder_sparse_step grid) after
+        DeepSeek-V3's first_k_dense_replace dense layers."""
         return (
             self.num_experts > 0
+            and layer >= self.first_k_dense_replace
             and layer not in self.mlp_only_layers
             and (layer + 1) % self.decoder_sparse_step == 0
         )
@@ -98,9 +160,17 @@ class ModelConfig(BaseModel):
         if not family.moe and num_experts:
             raise ValueError(f"model_type {hf.get('model_type')!r} ({archs[0]}) is dense, but config.json gives "
                              f"{num_experts} experts")
+        mla = _mla(hf, family)
         head_dim = hf.get("head_dim")
-        if head_dim is None:  # Qwen3Config has a field (default 128); Qwen3-MoE derives it
+        if mla is not None:  # DeepseekV3Config sets head_dim = qk_rope_head_dim (what RoPE covers)
+            head_dim = mla.qk_rope_head_dim
+        elif head_dim is None:  # Qwen3Config has a field (default 128); Qwen3-MoE derives it
             head_dim = family.defaults.get("head_dim") or get("hidden_size") // heads
+        deepseek = {}
+        if family.architecture == "DeepseekV3ForCausalLM":
+            deepseek = dict(mla=mla, moe_router="sigmoid_grouped", n_group=get("n_group"),
+                            topk_group=get("topk_group"), routed_scaling_factor=get("routed_scaling_factor"),
+                            n_shared_experts=get("n_shared_experts"), first_k_dense_replace=get("first_k_dense_replace"))
         return cls(
             architecture=archs[0],
             vocab_size=get("vocab_size"),
@@ -113,6 +183,7 @@ class ModelConfig(BaseModel):
             rms_norm_eps=get("rms_norm_eps"),
             rope_theta=_rope_theta(hf),
             llama3_rope=_llama3_rope(hf),
+            yarn_rope=_yarn_rope(hf, get("max_position_embeddings")),
             qk_norm=family.qk_norm,
             max_position_embeddings=get("max_position_embeddings"),
             tie_word_embeddings=get("tie_word_embeddings"),
@@ -123,6 +194,7 @@ class ModelConfig(BaseModel):
             norm_topk_prob=get("norm_topk_prob") if num_experts else False,
             decoder_sparse_step=get("decoder_sparse_step") if num_experts else 1,
             mlp_only_layers=tuple(get("mlp_only_layers") or ()),
+            **deepseek,
         )
 
     @classmethod
@@ -161,6 +233,15 @@ _FAMILIES = {
         "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
         "num_attention_heads": 32, "num_key_value_heads": None, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False}, qk_norm=False),
+    # transformers' DeepseekV3Config (the DeepSeek-V3 / Kimi-K2 architecture)
+    "deepseek_v3": _Family("DeepseekV3ForCausalLM", True, {
+        "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": None, "n_shared_experts": 1,
+        "num_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4,
+        "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_interleave": True, "decoder_sparse_step": 1},
+        qk_norm=False),
 }
 DEFAULT_ROPE_THETA = 10_000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
 
@@ -182,13 +263,24 @@ def _family(model_type: str | None, architecture: str) -> _Family:
 
 
 def _num_experts(hf: dict[str, Any], family: _Family) -> int:
-    """transformers 4.x writes num_experts, 5.x num_local_experts (an attribute_map alias)."""
-    given = {k: hf[k] for k in ("num_experts", "num_local_experts") if hf.get(k) is not None}
+    """transformers 4.x writes num_experts, 5.x num_local_experts (an attribute_map alias), DeepSeek
+    n_routed_experts."""
+    given = {k: hf[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if hf.get(k) is not None}
     if len(set(given.values())) > 1:
         raise ValueError(f"config.json gives different expert counts: {given}")
     if given:
         return int(next(iter(given.values())))
     return family.defaults.get("num_experts", 0)
+
+
+def _mla(hf: dict[str, Any], family: _Family) -> MLA | None:
+    """DeepSeek-V3's latent-attention sizes (a missing key takes the class default; q_lora_rank null: q_proj)."""
+    if family.architecture != "DeepseekV3ForCausalLM":
+        return None
+    sizes = {k: hf[k] if k in hf else family.defaults[k]
+             for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                       "rope_interleave")}
+    return MLA(**sizes)
 
 
 def _kv_heads(hf: dict[str, Any], family: _Family, heads: int) -> int:
@@ -203,8 +295,8 @@ def _rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
         raise ValueError(f"rope_parameters {rope!r}: per-layer-type RoPE is not supported")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ValueError(f"rope_type={rope_type!r} is not supported (default and llama3 RoPE only)")
+    if rope_type not in ("default", "llama3", "yarn"):
+        raise ValueError(f"rope_type={rope_type!r} is not supported (default, llama3 and yarn RoPE only)")
     return rope | {"rope_type": rope_type}
 
 
@@ -224,10 +316,26 @@ def _llama3_rope(hf: dict[str, Any]) -> Llama3Rope | None:
     return Llama3Rope(**{k: rope[k] for k in Llama3Rope.model_fields})
 
 
+def _yarn_rope(hf: dict[str, Any], max_position_embeddings: int) -> YarnRope | None:
+    rope = _rope_parameters(hf)
+    if rope["rope_type"] != "yarn":
+        return None
+    if rope.get("original_max_position_embeddings") is None:
+        raise ValueError("rope_type='yarn' needs original_max_position_embeddings in rope_scaling / rope_parameters")
+    fields = {k: rope[k] for k in YarnRope.model_fields if rope.get(k) is not None}
+    # transformers: without a factor, the ratio of the context to the original one
+    fields.setdefault("factor", max_position_embeddings / rope["original_max_position_embeddings"])
+    return YarnRope(**fields)
+
+
 def _refuse_unsupported(hf: dict[str, Any]) -> None:
     """Features transformers' Qwen3 has and tx does not: loading them would compute something else."""
     if hf.get("attention_bias"):
         raise ValueError("attention_bias=true is not supported (Qwen3 and Llama 3 checkpoints have no attention biases)")
+    if hf.get("quantization_config"):
+        raise ValueError(f"quantized checkpoints are not supported (quantization_config "
+                         f"{hf['quantization_config'].get('quant_method', '?')!r}); convert the weights to "
+                         f"bfloat16 first")
     if hf.get("mlp_bias"):
         raise ValueError("mlp_bias=true is not supported (Llama 3 checkpoints have no MLP biases)")
     if hf.get("hidden_act", "silu") != "silu":

@@ -166,7 +166,8 @@ def hf_source(path: tuple[str, ...], model: Any, files: SafetensorsDir) -> Sourc
         if rest[:2] == ("mlp", "experts"):
             parts.append(_expert_source(files, prefix, rest[2], cfg))
         else:
-            src: Source = Stored(files, prefix + ".".join(rest[:-1]) + ".weight")
+            leaf = ".weight" if rest[-1] in ("kernel", "weight") else "." + rest[-1]  # e.g. e_score_correction_bias
+            src: Source = Stored(files, prefix + ".".join(rest[:-1]) + leaf)
             parts.append(Transposed(src) if rest[-1] == "kernel" else src)
     return Stacked(parts)
 

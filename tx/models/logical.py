@@ -55,6 +55,12 @@ LINEAR_AXES: dict[str, tuple[str | None, str | None]] = {
     "k_proj": ("embed", "kv_heads"),
     "v_proj": ("embed", "kv_heads"),
     "o_proj": ("heads", "embed"),
+    # DeepSeek-V3's latent attention: the low-rank bottlenecks stay whole (small), their up-projections split
+    # by head like q_proj
+    "q_a_proj": ("embed", None),
+    "q_b_proj": (None, "heads"),
+    "kv_a_proj_with_mqa": ("embed", None),
+    "kv_b_proj": (None, "heads"),
     "gate_proj": ("embed", "mlp"),
     "up_proj": ("embed", "mlp"),
     "down_proj": ("mlp", "embed"),

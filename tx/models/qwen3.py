@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from tx.kernels.platform import normalise, platform_of
 from tx.models.config import LoraSlots, ModelConfig
 from tx.models.layers.attention import Attention
 from tx.models.layers.lora import ValueHead, lora_variables
+from tx.models.layers.mla import MLAttention
 from tx.models.layers.mlp import MLP
 from tx.models.layers.moe import SparseMoE
 from tx.models.layers.norm import RMSNorm
@@ -58,7 +60,7 @@ class DecoderLayer(nnx.Module):
         kw = dict(num_adapters=slots.max_lora_adapters, rank=slots.max_lora_rank, stack=stack, dtype=dtype, rngs=rngs,
                   shard=shard)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack, dtype=dtype)
-        self.self_attn = Attention(cfg, **kw)
+        self.self_attn = Attention(cfg, **kw) if cfg.mla is None else MLAttention(cfg, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack, dtype=dtype)
         self.mlp = (SparseMoE(cfg, moe_impl=moe_impl, platform=platform, **kw) if moe
                     else MLP(cfg.hidden_size, cfg.intermediate_size, **kw))
@@ -141,23 +143,23 @@ class DecoderStack(nnx.Module):
         With `layers`, a Python loop over them instead of the scan (the same body)."""
 
         def body(carry, xs):
-            h_btd, k_pool, v_pool = carry
+            h_btd, *pools = carry
             layer_state, layer = xs
-            kv = dataclasses.replace(paged, k_pool=k_pool, v_pool=v_pool, layer=layer)
+            kv = paged.with_pools(tuple(pools), layer)
             if whole is None:
                 h_btd, pools = nnx.merge(graphdef, layer_state)(h_btd, cos_sin, None, adapter_b, kv)
             else:
                 h_btd, pools = nnx.merge(graphdef, whole, layer_state)(h_btd, cos_sin, None, adapter_b, kv, layer)
             return (h_btd, *pools), None
 
-        carry = (x_btd, paged.k_pool, paged.v_pool)
+        carry = (x_btd, *paged.pools)
         if layers is None:
             carry, _ = jax.lax.scan(body, carry, (state, layer_l))
         else:
             for i, layer_state in enumerate(layers):
                 carry, _ = body(carry, (layer_state, jnp.int32(i)))
-        h_btd, k_pool, v_pool = carry
-        return h_btd, (k_pool, v_pool)
+        h_btd, *pools = carry
+        return h_btd, tuple(pools)
 
 
 class Embedding(nnx.Module):
@@ -267,21 +269,37 @@ class Qwen3ForCausalLM(nnx.Module):
         positions_bt: jax.Array,
         valid_bt: jax.Array,
         adapter_indices_b: jax.Array | None,
-        pools: list[tuple[jax.Array, jax.Array]],
+        pools: list[tuple[jax.Array, ...]],
         table_bw: jax.Array,
         impl: str = "blocked",
         kv_block: int = 128,
         kv_blocks: int | None = None,
         layers: list | None = None,
-    ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
+    ) -> tuple[jax.Array, list[tuple[jax.Array, ...]]]:
         """Tokens at `positions_bt` of sequences whose KV pages are `table_bw` (a prefill chunk, or one
-        decode token per row): each stack writes their keys/values into its page pools `[L, N, P, kv, d]`
+        decode token per row): each stack writes their keys/values into its page pools (`kv_layout`: keys and
+        values `[L, N, P, kv, d]`, or one latent pool `[L, N, P, 1, c]`)
         and attends over the sequences' pages (`kv_blocks`: see `paged_attention`). `layers` (per stack,
         its `scanned_state()` one layer at a time): run the layers one by one on those arrays. Returns final
         hidden states `[b, t, d]` and the pools."""
-        paged = [PagedKV(k, v, jnp.int32(0), table_bw, positions_bt, valid_bt, impl, kv_block, self.platform,
-                         kv_blocks) for k, v in pools]
+        paged = [PagedKV(pool[0], pool[1] if len(pool) > 1 else None, jnp.int32(0), table_bw, positions_bt, valid_bt,
+                         impl, kv_block, self.platform, kv_blocks) for pool in pools]
         return self._layers(ids_bt, positions_bt, None, adapter_indices_b, paged, layers)
+
+    def kv_layout(self) -> tuple[tuple[tuple[int, ...], tuple[str | None, ...]], ...]:
+        """What the paged cache holds per token and layer: per pool, its entry's shape and logical axes. Keys
+        and values `[kv_heads, head_dim]` each; with latent attention one pool of the compressed latent and
+        the RoPE key, `[1, kv_lora_rank + qk_rope_head_dim]` (its leading part doubles as the values)."""
+        cfg = self.config
+        if cfg.mla is not None:
+            return (((1, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim), (None, None)),)
+        kv = ((cfg.num_key_value_heads, cfg.head_dim), ("kv_heads", "head_dim"))
+        return (kv, kv)
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes the paged cache holds per token over every layer (the model's dtype)."""
+        entry = sum(math.prod(shape) for shape, _ in self.kv_layout())
+        return self.config.num_hidden_layers * entry * self.embed_tokens.embedding[...].dtype.itemsize
 
     def scanned_states(self) -> list:
         """Each stack's `DecoderStack.scanned_state()`."""
@@ -296,7 +314,8 @@ class Qwen3ForCausalLM(nnx.Module):
         cfg = self.config
         llama3 = cfg.llama3_rope and (cfg.llama3_rope.factor, cfg.llama3_rope.low_freq_factor,
                                       cfg.llama3_rope.high_freq_factor, cfg.llama3_rope.original_max_position_embeddings)
-        cos_sin = rope_cos_sin(positions_bt, cfg.head_dim, cfg.rope_theta, llama3)
+        cos_sin = rope_cos_sin(positions_bt, cfg.head_dim, cfg.rope_theta, llama3,
+                               cfg.yarn_rope.key() if cfg.yarn_rope else None)
         x_btd = self.embed_tokens(ids_bt)
         kvs = []
         for i, stack in enumerate(self.stacks):

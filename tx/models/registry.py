@@ -25,12 +25,14 @@ BUILT_IN = {
     "Qwen3MoeForCausalLM": "tx.models.qwen3:Qwen3ForCausalLM",
     # Llama 3 is the same decoder without Qwen3's query/key norms, with Llama 3.1's RoPE scaling (ModelConfig)
     "LlamaForCausalLM": "tx.models.qwen3:Qwen3ForCausalLM",
+    # DeepSeek-V3 (and Kimi-K2): latent attention, shared experts, grouped sigmoid routing (ModelConfig.mla, ...)
+    "DeepseekV3ForCausalLM": "tx.models.qwen3:Qwen3ForCausalLM",
 }
 
 
 # HF model_type and tinker-cookbook's renderer name of each built-in architecture (reported by the service)
 FAMILY_NAMES = {"Qwen3ForCausalLM": ("qwen3", "qwen3"), "Qwen3MoeForCausalLM": ("qwen3_moe", "qwen3"),
-                "LlamaForCausalLM": ("llama", "llama3")}
+                "LlamaForCausalLM": ("llama", "llama3"), "DeepseekV3ForCausalLM": ("deepseek_v3", "deepseekv3")}
 
 
 def family_names(architecture: str) -> dict[str, str | None]:

@@ -37,6 +37,7 @@ from tx.models.logical import DEFAULT_RULES, LINEAR_AXES, MESH_AXES, LogicalShar
 OTHER_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("embed_tokens", "embedding"): ("vocab", "embed"),
     ("gate", "kernel"): (None, None),  # MoE router [d, experts], small and read by every token: replicated
+    ("gate", "e_score_correction_bias"): (None,),  # DeepSeek-V3's expert-selection bias [experts], as the router
     ("lm_head", "value_head"): ("adapter", None, None),  # [A, d, 1]: tiny
 }
 

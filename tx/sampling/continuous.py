@@ -82,9 +82,7 @@ class PagedEngine:
         multi-host run takes the smallest pool any process could hold: one pool shape, one SPMD program."""
         from tx.models.sharding import min_over_processes
 
-        model = self.source.model
-        cfg, itemsize = model.config, model.embed_tokens.embedding[...].dtype.itemsize
-        token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize  # K and V
+        token_bytes = self.source.model.kv_bytes_per_token()
         return min_over_processes(pool_pages(config.max_num_seqs, self.source.max_seq_len, config.kv_page_size,
                                              int(free // 2), token_bytes))
 

@@ -83,7 +83,7 @@ def free_memory_bytes() -> int:
 
 
 class PagedDevice:
-    """Page pools `[layers, pages, page, kv_heads, head_dim]` per layer stack (created at first use,
+    """Page pools `[layers, pages, page, *entry]` per layer stack (the model's `kv_layout`; created at first use,
     donated to every call) and the two device calls over them."""
 
     def __init__(self, source: WeightsSource, runtime: Runtime, config: SamplingSettings, text: TextCodec,
@@ -114,13 +114,16 @@ class PagedDevice:
             from tx.models.sharding import put_global
 
             model = self.source.model
-            cfg, dtype = model.config, model.embed_tokens.embedding[...].dtype
-            shape = lambda n: (n, self.num_pages, self.page, cfg.num_key_value_heads, cfg.head_dim)  # noqa: E731
-            # kv heads split like the attention's keys/values (tp); every page on every fsdp device
-            axes = ("layers", None, None, "kv_heads", "head_dim")
-            layout = lambda n: NamedSharding(self.runtime.mesh, model.layout.spec(axes, shape(n)))  # noqa: E731
-            self.pools = [tuple(put_global(np.zeros(shape(len(s.layer_ids)), jnp.dtype(dtype)), layout(len(s.layer_ids)))
-                                for _ in range(2)) for s in model.stacks]
+            dtype = jnp.dtype(model.embed_tokens.embedding[...].dtype)
+            # per `kv_layout`: kv heads split like the attention's keys/values (tp); every page on every fsdp device
+            self.pools = []
+            for stack in model.stacks:
+                pools = []
+                for entry, names in model.kv_layout():
+                    shape = (len(stack.layer_ids), self.num_pages, self.page, *entry)
+                    layout = NamedSharding(self.runtime.mesh, model.layout.spec(("layers", None, None, *names), shape))
+                    pools.append(put_global(np.zeros(shape, dtype), layout))
+                self.pools.append(tuple(pools))
         return self.pools
 
     def kv_blocks(self, last_pos: int) -> int | None:

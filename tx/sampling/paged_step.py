@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from tx.sampling.filters import choose, mark_present
 
-Pools = list[tuple[jax.Array, jax.Array]]
+Pools = list[tuple[jax.Array, ...]]  # per layer stack: its pools (`kv_layout`)
 
 
 class PrefillInputs(NamedTuple):
@@ -84,7 +84,7 @@ def prefill_chunk(model, pools: Pools, inp: PrefillInputs, impl: str, kv_block: 
 
 def copy_pages(pools: Pools, src_m: jax.Array, dst_m: jax.Array) -> Pools:
     """Copy pages (all layers); pairs (0, 0) are no-ops on the trash page."""
-    return [(k.at[:, dst_m].set(k[:, src_m]), v.at[:, dst_m].set(v[:, src_m])) for k, v in pools]
+    return [tuple(pool.at[:, dst_m].set(pool[:, src_m]) for pool in stack) for stack in pools]
 
 
 def ends_with_a_sequence(recent_sl: jax.Array, seq_sxl: jax.Array) -> jax.Array:

@@ -180,7 +180,7 @@ class Attention(nnx.Module):
         if cache is not None:
             cache = cache.write(k_btkd, v_btkd)  # GSPMD: every fsdp replica of the pools gets every row's entries
             out_bthd = local_paged_attention(self.shard, cache, q_bthd, scale)
-            return self.o_proj(out_bthd.reshape(b, t, -1), adapter_b), (cache.k_pool, cache.v_pool)
+            return self.o_proj(out_bthd.reshape(b, t, -1), adapter_b), cache.pools
         kernel = functools.partial(self_attention, scale=scale, impl=mask.impl, platform=mask.platform)
         rows_mask = mask.segment_ids_bt
         run = local_with_local_grads(self.shard, kernel, (Q_AXES, KV_AXES, KV_AXES, ("batch", "length")), Q_AXES,

@@ -22,6 +22,7 @@ from tx.kernels.lora import make_routing
 from tx.kernels.platform import normalise, platform_of
 from tx.models.config import ModelConfig
 from tx.models.layers.lora import lora_variables
+from tx.models.layers.mlp import MLP
 from tx.models.logical import LINEAR_AXES, NO_SHARDING, LogicalSharding
 
 _init = nnx.initializers.normal(0.02)
@@ -107,9 +108,43 @@ def _weight_names(w: ExpertWeights, axes: tuple[str, str]) -> list[tuple[str | N
             ("expert", "adapter", "rank", o), ("adapter",)]
 
 
+class RouterBias(nnx.Variable):
+    """DeepSeek-V3's `e_score_correction_bias` [E]: added to the expert scores only to choose experts (a
+    load-balancing statistic of pretraining; float32, never trained here, as transformers keeps it a buffer)."""
+
+
 class Router(nnx.Module):
-    def __init__(self, d: int, num_experts: int, *, stack: tuple[int, ...], dtype, rngs: nnx.Rngs):
+    def __init__(self, d: int, num_experts: int, *, stack: tuple[int, ...], dtype, rngs: nnx.Rngs, bias: bool = False):
         self.kernel = nnx.Param(_init(rngs.params(), (*stack, d, num_experts), dtype))
+        if bias:
+            self.e_score_correction_bias = RouterBias(jnp.zeros((*stack, num_experts), jnp.float32))
+
+    def bias(self, num_experts: int) -> jax.Array:
+        """float32 [E] (zeros for a router without one)."""
+        if hasattr(self, "e_score_correction_bias"):
+            return self.e_score_correction_bias[...]
+        return jnp.zeros((*self.kernel.shape[:-2], num_experts), jnp.float32)
+
+
+def sigmoid_grouped_topk(logits_ne: jax.Array, bias_e: jax.Array, top_k: int, n_group: int, topk_group: int,
+                         norm_topk_prob: bool, scaling: float) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek-V3's routing of float32 router logits `[n, E]`: expert scores sigmoid(logits); the experts are
+    chosen on scores + `bias_e` among the `topk_group` of `n_group` groups whose best two such scores sum
+    highest (the other groups' experts excluded), weighted by their unbiased scores
+    (renormalised with `norm_topk_prob`), times `scaling`. Returns (expert ids, float32 weights), `[n, k]`."""
+    scores_ne = jax.nn.sigmoid(logits_ne)
+    choice_ne = scores_ne + bias_e
+    n, e = choice_ne.shape
+    if n_group > 1:
+        best2_ngk, _ = jax.lax.top_k(choice_ne.reshape(n, n_group, e // n_group), 2)
+        _, groups_nk = jax.lax.top_k(best2_ngk.sum(axis=-1), topk_group)
+        keep_ng = jnp.zeros((n, n_group), bool).at[jnp.arange(n)[:, None], groups_nk].set(True)
+        choice_ne = jnp.where(jnp.repeat(keep_ng, e // n_group, axis=1), choice_ne, -jnp.inf)
+    _, expert_nk = jax.lax.top_k(choice_ne, top_k)
+    weight_nk = jnp.take_along_axis(scores_ne, expert_nk, axis=-1)
+    if norm_topk_prob:
+        weight_nk = weight_nk / (jnp.sum(weight_nk, axis=-1, keepdims=True) + 1e-20)
+    return expert_nk, weight_nk * scaling
 
 
 class Experts(nnx.Module):
@@ -141,14 +176,32 @@ class SparseMoE(nnx.Module):
         self.shard = shard
         self.platform = platform_of() if platform is None else normalise(platform)
         self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.router, self.n_group, self.topk_group = cfg.moe_router, cfg.n_group, cfg.topk_group
+        self.routed_scaling_factor = cfg.routed_scaling_factor
         self.num_adapters = num_adapters
-        self.gate = Router(cfg.hidden_size, cfg.num_experts, stack=stack, dtype=dtype, rngs=rngs)
+        self.gate = Router(cfg.hidden_size, cfg.num_experts, stack=stack, dtype=dtype, rngs=rngs,
+                           bias=cfg.moe_router == "sigmoid_grouped")
         self.experts = Experts(cfg, num_adapters=num_adapters, rank=rank, stack=stack, dtype=dtype, rngs=rngs)
+        if cfg.n_shared_experts:  # DeepSeek-V3: an MLP every token goes through, beside the routed experts
+            self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                      num_adapters=num_adapters, rank=rank, stack=stack, dtype=dtype, rngs=rngs,
+                                      shard=shard)
 
-    def route(self, x_nd: jax.Array, router_de: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    def route(self, x_nd: jax.Array, router_de: jax.Array | None = None,
+              bias_e: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """Top-k expert ids [..., k] and their weights [..., k] of tokens `[..., d]` (softmax in float32,
-        optionally renormalised); `router_de`: the router kernel (default this layer's)."""
+        optionally renormalised; or `sigmoid_grouped_topk`); `router_de` / `bias_e`: the router kernel and
+        selection bias (default this layer's)."""
         router_de = self.gate.kernel[...] if router_de is None else router_de
+        if self.router == "sigmoid_grouped":  # transformers computes these logits from float32 inputs
+            bias_e = self.gate.bias(self.num_experts) if bias_e is None else bias_e
+            logits_ne = jnp.dot(x_nd.astype(jnp.float32), router_de.astype(jnp.float32))
+            shape = logits_ne.shape
+            expert_nk, weight_nk = sigmoid_grouped_topk(
+                logits_ne.reshape(-1, shape[-1]), bias_e, self.top_k, self.n_group, self.topk_group,
+                self.norm_topk_prob, self.routed_scaling_factor)
+            return (expert_nk.reshape(*shape[:-1], self.top_k),
+                    weight_nk.reshape(*shape[:-1], self.top_k).astype(x_nd.dtype))
         logits_ne = jnp.dot(x_nd, router_de, preferred_element_type=jnp.float32)
         probs_ne = jax.nn.softmax(logits_ne, axis=-1)
         weight_nk, expert_nk = jax.lax.top_k(probs_ne, self.top_k)
@@ -185,9 +238,9 @@ class SparseMoE(nnx.Module):
         whole = layer is not None
         reduce = tuple(a for a in (expert_axis, mlp_axis) if a is not None)
 
-        def run(x_btd, adapter_b, layer, router_de, *flat):
+        def run(x_btd, adapter_b, layer, router_de, bias_e, *flat):
             # routing per device too: XLA's partitioner would gather the router's probabilities for the top-k
-            expert_btk, weight_btk = self.route(x_btd, router_de)
+            expert_btk, weight_btk = self.route(x_btd, router_de, bias_e)
             gate, up, down = (ExpertWeights(*flat[i:i + 4]) for i in (0, 4, 8))
             e_local = gate.kernel.shape[-3]
             offset = jax.lax.axis_index(expert_axis) * e_local if expert_axis is not None else 0
@@ -197,11 +250,15 @@ class SparseMoE(nnx.Module):
                 out_btd = jax.lax.psum(out_btd, reduce)
             return out_btd.astype(x_btd.dtype)
 
-        args = [x_btd, adapter_b, jnp.zeros((), jnp.int32) if layer is None else layer, self.gate.kernel[...], *flat]
-        in_names = [("batch", "length", "embed"), ("batch",), None, (None, None), *names]
+        args = [x_btd, adapter_b, jnp.zeros((), jnp.int32) if layer is None else layer, self.gate.kernel[...],
+                self.gate.bias(self.num_experts), *flat]
+        in_names = [("batch", "length", "embed"), ("batch",), None, (None, None), (None,), *names]
         local = self.shard.local(run, in_names, ("batch", "length", "embed"), *(a.shape for a in args),
                                  out_shapes=x_btd.shape)
-        return local(*args)
+        out_btd = local(*args)
+        if hasattr(self, "shared_experts"):
+            out_btd = out_btd + self.shared_experts(x_btd, None if not use_lora else adapter_b)
+        return out_btd
 
     def _local_experts(self, x_btd, expert_btk, weight_btk, adapter_b, layer, weights, use_lora,
                        partial: bool) -> jax.Array:
