@@ -45,6 +45,20 @@ def tiny_dirs(tmp_path_factory) -> dict[str, str]:
     return {name: str(write_tiny_model(root / name, spec)) for name, spec in TINY_SPECS.items()}
 
 
+# The other families, for the tests that run every family (not in `tiny_dir`'s parametrization): Llama 3 with
+# Llama 3.1's RoPE scaling, DeepSeek-V3 (latent attention, a dense layer, grouped routing, a shared expert).
+FAMILY_SPECS = {
+    "llama": TinySpec(family="llama", llama3_rope=True, max_position_embeddings=1024, seed=4),
+    "deepseek_v3": TinySpec(family="deepseek_v3", num_layers=3, seed=6),
+}
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("families")
+    return {name: str(write_tiny_model(root / name, spec)) for name, spec in FAMILY_SPECS.items()}
+
+
 @pytest.fixture(params=list(TINY_SPECS))
 def tiny_dir(request, tiny_dirs) -> str:
     return tiny_dirs[request.param]
@@ -54,9 +68,10 @@ def tiny_dir(request, tiny_dirs) -> str:
 # workers first; picked up last, one of them would keep a worker busy while the other has nothing left to run.
 SLOW_FILES_FIRST = (
     "distributed/test_multihost_parity.py", "api/test_recipes.py", "api/test_service.py",
-    "models/test_collectives.py", "checkpoints/test_sampler.py", "distributed/test_multihost.py",
-    "backends/test_full.py", "sampling/test_paged_engine.py", "backends/test_jax_backend.py", "rl/test_trainer.py",
-    "backends/test_precompile.py", "checkpoints/test_sampler_faults.py", "sft/test_trainer.py", "rl/test_service.py",
+    "models/test_collectives.py", "checkpoints/test_sampler.py", "models/test_deepseek_v3.py",
+    "distributed/test_multihost.py", "backends/test_full.py", "sampling/test_paged_engine.py",
+    "backends/test_jax_backend.py", "rl/test_trainer.py", "backends/test_precompile.py",
+    "checkpoints/test_sampler_faults.py", "sft/test_trainer.py", "rl/test_service.py",
 )
 
 

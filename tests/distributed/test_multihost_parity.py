@@ -1,17 +1,19 @@
 """Two real processes on 127.0.0.1 (4 CPU devices each, gloo) against one process with 8 devices: the same
-results for every backend method, LoRA (dense and MoE) and full training (dense)."""
+results for every backend method, LoRA (Qwen3 dense, Llama 3, and DeepSeek-V3, whose MoE layers carry the expert
+parallelism: experts over ep, routing and the expert all-reduce per device) and full training (dense)."""
 
 import pytest
 
 from tests.distributed.test_multihost import _close, run_pair, run_single
 
 
-@pytest.mark.parametrize("name", ["dense", "moe"])  # the tiny 2-layer checkpoints of tests/conftest.py
-def test_two_processes_equal_one_process(tiny_dirs, tmp_path, name):
+@pytest.mark.parametrize("name", ["dense", "llama", "deepseek_v3"])  # tiny checkpoints of tests/conftest.py
+def test_two_processes_equal_one_process(tiny_dirs, family_dirs, tmp_path, name):
     """LoRA: every backend method (forward_backward, optim_step, forward, sample, checkpoint save/load, sampler
     save, delete/recreate) on a (2, 2, 2) mesh over two processes == one process with 8 devices."""
-    multi, worker_rc, _ = run_pair("parity", tiny_dirs[name], tmp_path)
-    single = run_single("parity", tiny_dirs[name], tmp_path)
+    model_dir = {**tiny_dirs, **family_dirs}[name]
+    multi, worker_rc, _ = run_pair("parity", model_dir, tmp_path)
+    single = run_single("parity", model_dir, tmp_path)
     _close(multi, single)
     assert worker_rc == 0  # clean shutdown from process 0
 

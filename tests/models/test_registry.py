@@ -4,7 +4,7 @@ architecture is an error unless replace=True; unknown names list what is registe
 import pytest
 from flax import nnx
 
-from tx.models.qwen3 import Qwen3ForCausalLM
+from tx.models.decoder import DecoderLM
 from tx.models.registry import FAMILIES, model_class, register
 from tx.registry import Registry
 
@@ -38,7 +38,7 @@ def test_duplicate_architecture_is_refused_unless_replace(scratch_name):
 def test_builtin_family_is_not_silently_replaced(scratch_name):
     with pytest.raises(ValueError, match="architecture 'Qwen3ForCausalLM' is already registered"):
         register(scratch_name, "Qwen3ForCausalLM")(_A)
-    assert model_class("Qwen3ForCausalLM") is Qwen3ForCausalLM
+    assert model_class("Qwen3ForCausalLM") is DecoderLM
     assert scratch_name not in FAMILIES  # all or nothing: no name was taken
 
 
@@ -51,3 +51,25 @@ def test_unknown_name_lists_the_registered():
     with pytest.raises(ValueError, match="unknown widget 'x'; registered: a, b"):
         reg.get("x")
     assert list(reg) == ["a", "b"] and len(reg) == 2 and "a" in reg
+
+
+@pytest.mark.parametrize("spec", [dict(family="qwen3"), dict(family="qwen3", moe=True), dict(family="llama"),
+                                  dict(family="deepseek_v3"), dict(family="deepseek_v3", q_lora_rank=0)],
+                         ids=["qwen3", "qwen3_moe", "llama", "deepseek_v3", "deepseek_v3_q_proj"])
+def test_every_built_in_family_builds_a_causal_lm(spec):
+    """Each built-in architecture, dispatched from its config.json, builds a model with the interface the rest of
+    tx calls (tx.models.family.CausalLM), whose paged cache layout matches its attention."""
+    from tx.models.config import LoraSlots, ModelConfig
+    from tx.models.family import CausalLM
+    from tx.models.loading import build_abstract
+    from tx.models.tiny import TinySpec, hf_config
+
+    cfg = ModelConfig.from_hf_dict(hf_config(TinySpec(**spec)))
+    model = build_abstract(cfg, LoraSlots(max_lora_adapters=2, max_lora_rank=2), platform="cpu")
+    assert isinstance(model, CausalLM) and type(model) is model_class(cfg.architecture)
+    pools = model.kv_layout()
+    if cfg.mla is None:
+        assert [shape for shape, _ in pools] == [(cfg.num_key_value_heads, cfg.head_dim)] * 2
+    else:
+        assert [shape for shape, _ in pools] == [(1, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)]
+    assert model.kv_bytes_per_token() == cfg.num_hidden_layers * sum(a * b for (a, b), _ in pools) * 4

@@ -21,12 +21,12 @@ FAMILIES: Registry[type[nnx.Module]] = Registry("architecture")
 
 
 BUILT_IN = {
-    "Qwen3ForCausalLM": "tx.models.qwen3:Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM": "tx.models.qwen3:Qwen3ForCausalLM",
-    # Llama 3 is the same decoder without Qwen3's query/key norms, with Llama 3.1's RoPE scaling (ModelConfig)
-    "LlamaForCausalLM": "tx.models.qwen3:Qwen3ForCausalLM",
-    # DeepSeek-V3 (and Kimi-K2): latent attention, shared experts, grouped sigmoid routing (ModelConfig.mla, ...)
-    "DeepseekV3ForCausalLM": "tx.models.qwen3:Qwen3ForCausalLM",
+    # one decoder whose layers follow the config (tx.models.decoder): Qwen3's q/k norms, Llama 3's RoPE scaling,
+    # DeepSeek-V3's (and Kimi-K2's) latent attention, shared experts and grouped sigmoid routing
+    "Qwen3ForCausalLM": "tx.models.decoder:DecoderLM",
+    "Qwen3MoeForCausalLM": "tx.models.decoder:DecoderLM",
+    "LlamaForCausalLM": "tx.models.decoder:DecoderLM",
+    "DeepseekV3ForCausalLM": "tx.models.decoder:DecoderLM",
 }
 
 

@@ -1,9 +1,15 @@
-"""Qwen3 and Qwen3-MoE causal LMs in flax nnx, with stacked multi-adapter LoRA and scanned layers.
+"""The decoder every built-in family runs on (`DecoderLM`), in flax nnx, with stacked multi-adapter LoRA and
+scanned layers. Which layers it holds follows the `ModelConfig` (the family's config mapping): attention is
+grouped-query (`layers.attention`, with Qwen3's per-head q/k norms or without, as Llama) or multi-head latent
+(`layers.mla`, DeepSeek-V3); the feed-forward block a SwiGLU MLP or a sparse MoE (`layers.moe`: softmax top-k as
+Qwen3-MoE, or DeepSeek-V3's grouped sigmoid routing with shared experts); RoPE default, Llama 3.1's or YaRN.
+`tx.models.family.CausalLM` states what the rest of tx calls on it.
 
 Consecutive decoder layers of the same kind (dense MLP or sparse MoE) form one `DecoderStack` whose
 weights carry a leading layer axis and run under `jax.lax.scan`; a model whose MoE layers are
-interleaved with dense ones (`decoder_sparse_step`, `mlp_only_layers`) simply has several stacks.
-The model returns final hidden states; `target_logprobs` turns them into float32 log-probs in chunks.
+interleaved with dense ones (`decoder_sparse_step`, `mlp_only_layers`, `first_k_dense_replace`) simply has
+several stacks. The model returns final hidden states; `target_logprobs` turns them into float32 log-probs in
+chunks.
 """
 
 from __future__ import annotations
@@ -202,8 +208,9 @@ def layer_groups(cfg: ModelConfig) -> list[tuple[bool, tuple[int, ...]]]:
     return [(moe, tuple(i for _, i in run)) for moe, run in itertools.groupby(kinds, key=lambda x: x[0])]
 
 
-class Qwen3ForCausalLM(nnx.Module):
-    """Dense or MoE Qwen3; `max_lora_adapters` LoRA slots on q/k/v/o, MLP or experts, and the LM head."""
+class DecoderLM(nnx.Module):
+    """A causal decoder of any built-in family (Qwen3 / Qwen3-MoE / Llama 3 / DeepSeek-V3, by its config) with
+    `max_lora_adapters` LoRA slots on every attention projection, MLP or expert, and the LM head."""
 
     def __init__(
         self,
@@ -299,7 +306,7 @@ class Qwen3ForCausalLM(nnx.Module):
     def kv_bytes_per_token(self) -> int:
         """Bytes the paged cache holds per token over every layer (the model's dtype)."""
         entry = sum(math.prod(shape) for shape, _ in self.kv_layout())
-        return self.config.num_hidden_layers * entry * self.embed_tokens.embedding[...].dtype.itemsize
+        return self.config.num_hidden_layers * entry * jnp.dtype(self.embed_tokens.embedding.get_value().dtype).itemsize
 
     def scanned_states(self) -> list:
         """Each stack's `DecoderStack.scanned_state()`."""
