@@ -130,14 +130,15 @@ def random_datums(seed: int, lengths: list[int], vocab: int = 512, **extra):
     return out
 
 
-def peft_model_of(model_dir, weights: dict, rank: int, alpha: float):
-    """transformers' float32 model at `model_dir` under PEFT with one LoRA adapter holding `weights`
-    ({module name: (A [r, in], B [out, r])}, as `tx.models.adapters.get_adapter_weights` returns them)."""
+def peft_model_of(model_dir, weights: dict, rank: int, alpha: float, base=None):
+    """transformers' float32 model at `model_dir` (or `base`, that model already loaded) under PEFT with one LoRA
+    adapter holding `weights` ({module name: (A [r, in], B [out, r])}, as
+    `tx.models.adapters.get_adapter_weights` returns them)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base = base or AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     peft = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha, target_modules=sorted(weights),
                                            init_lora_weights=False))
     with torch.no_grad():
@@ -147,3 +148,46 @@ def peft_model_of(model_dir, weights: dict, rank: int, alpha: float):
                 module.lora_A["default"].weight.copy_(torch.tensor(weights[key][0]))
                 module.lora_B["default"].weight.copy_(torch.tensor(weights[key][1]))
     return peft
+
+
+GREEDY_PROMPT = [5, 17, 99, 3, 42, 7]  # what `train_and_check_two_adapters` samples from
+
+
+def train_and_check_two_adapters(backend, model_dir, reference, tol: float = 1e-4) -> dict:
+    """Adapters "a" (rank 8, every module) and "b" (rank 4, no MLP) trained three cross-entropy steps each in
+    `backend`; then each one's forward log-probs equal its reference's within `tol` and greedy sampling (12 tokens)
+    from `GREEDY_PROMPT` equals the reference's `generate`, where `reference(model_dir, weights, rank, alpha)` is a transformers model
+    holding the adapter's weights. Returns {model_id: (greedy tokens, their sampled log-probs)}."""
+    import torch
+
+    from tests.sampling.test_sample import SP, sample_batch
+    from tx import types
+    from tx.models.adapters import get_adapter_weights
+
+    backend.create_model("a", types.LoraConfig(rank=8, alpha=16, seed=1))
+    backend.create_model("b", types.LoraConfig(rank=4, alpha=8, seed=2, train_mlp=False))
+    train = random_datums(0, [70, 12])
+    for _ in range(3):
+        for model_id in ("a", "b"):
+            out = backend.forward_backward(make_batch([("r", model_id, train, "cross_entropy", None)]))["r"]
+            assert isinstance(out, types.ForwardBackwardOutput), out
+            backend.optim_step(model_id, types.OptimStepInput(adam_params=types.AdamParams(learning_rate=1e-2)))
+    datums = random_datums(1, [80, 9])
+    samples = {}
+    for model_id in ("a", "b"):
+        meta = backend.models[model_id]
+        weights = get_adapter_weights(backend.model, meta.adapter_index, meta.lora_config.rank)
+        ref = reference(model_dir, weights, meta.lora_config.rank, meta.lora_config.alpha)
+        out = backend.forward(make_batch([("f", model_id, datums, "cross_entropy", None)]))["f"]
+        for datum, output in zip(datums, out.loss_fn_outputs):
+            ids = np.array([datum["input_ids"]])
+            want = hf_logprobs(ref, ids, np.ones_like(ids), np.array([datum["targets"]]))[0]
+            assert np.abs(output["logprobs"].to_numpy() - want).max() <= tol, model_id
+        sampled = backend.sample(sample_batch([("s", model_id, [(GREEDY_PROMPT, SP(max_tokens=12, temperature=0.0))],
+                                                False, 0)]))["s"].sequences[0]
+        with torch.no_grad():
+            want_tokens = ref.generate(torch.tensor([GREEDY_PROMPT]), max_new_tokens=12, do_sample=False,
+                                       eos_token_id=None, pad_token_id=0)[0, len(GREEDY_PROMPT):].tolist()
+        assert sampled.tokens == want_tokens, model_id
+        samples[model_id] = (sampled.tokens, np.asarray(sampled.logprobs))
+    return samples

@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
 import tx
-from tests.helpers import hf_logprobs, make_batch, random_batch, random_datums
+from tests.helpers import (GREEDY_PROMPT, hf_logprobs, make_batch, peft_model_of, random_batch,
+                           train_and_check_two_adapters)
 from tests.sampling.test_sample import SP, sample_batch
 from tx import types
 from tx.models.adapters import get_adapter_weights, hf_module_names, lora_modules, set_adapter_weights
@@ -165,17 +165,7 @@ def _reference(model_dir, weights, rank, alpha):
                 ff = module.down_proj.shape[-1]
                 module.gate_up_proj[:, :ff] += delta if proj == "gate_proj" else 0
                 module.gate_up_proj[:, ff:] += delta if proj == "up_proj" else 0
-    attn = {k: v for k, v in weights.items() if ".mlp." not in k}
-    peft = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha, target_modules=sorted({k.rsplit(".", 1)[-1]
-                                                                                               for k in attn}),
-                                           init_lora_weights=False))
-    with torch.no_grad():
-        for name, module in peft.named_modules():
-            key = name.removeprefix("base_model.model.")
-            if key in attn:
-                module.lora_A["default"].weight.copy_(torch.tensor(attn[key][0]))
-                module.lora_B["default"].weight.copy_(torch.tensor(attn[key][1]))
-    return peft
+    return peft_model_of(model_dir, {k: v for k, v in weights.items() if ".mlp." not in k}, rank, alpha, base=base)
 
 
 @pytest.mark.parametrize("name", ["q_lora", "q_proj"])
@@ -251,34 +241,8 @@ def test_backend_trains_and_greedy_paged_sampling_matches_generate(deepseek_dirs
     the same tokens with the same log-probs."""
     model_dir = str(deepseek_dirs["q_lora"])
     backend = tx.JaxBackend(model_dir, tx.JaxBackendConfig(max_lora_adapters=3, max_lora_rank=8, max_seq_len=96))
-    backend.create_model("a", types.LoraConfig(rank=8, alpha=16, seed=1))
-    backend.create_model("b", types.LoraConfig(rank=4, alpha=8, seed=2, train_mlp=False))
-    train = random_datums(0, [70, 12])
-    for _ in range(3):
-        for model_id in ("a", "b"):
-            out = backend.forward_backward(make_batch([("r", model_id, train, "cross_entropy", None)]))["r"]
-            assert isinstance(out, types.ForwardBackwardOutput), out
-            backend.optim_step(model_id, types.OptimStepInput(adam_params=types.AdamParams(learning_rate=1e-2)))
-    datums = random_datums(1, [80, 9])
-    prompt = [5, 17, 99, 3, 42, 7]
-    samples = {}
-    for model_id in ("a", "b"):
-        meta = backend.models[model_id]
-        weights = get_adapter_weights(backend.model, meta.adapter_index, meta.lora_config.rank)
-        assert any(".kv_b_proj" in k for k in weights)
-        ref = _reference(model_dir, weights, meta.lora_config.rank, meta.lora_config.alpha)
-        out = backend.forward(make_batch([("f", model_id, datums, "cross_entropy", None)]))["f"]
-        for datum, output in zip(datums, out.loss_fn_outputs):
-            ids = np.array([datum["input_ids"]])
-            want = hf_logprobs(ref, ids, np.ones_like(ids), np.array([datum["targets"]]))[0]
-            assert np.abs(output["logprobs"].to_numpy() - want).max() <= TOL, model_id
-        sampled = backend.sample(sample_batch([("s", model_id, [(prompt, SP(max_tokens=12, temperature=0.0))],
-                                                False, 0)]))["s"]
-        with torch.no_grad():
-            ids = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)[0, len(prompt):].tolist()
-        assert sampled.sequences[0].tokens == ids, model_id
-        samples[model_id] = (ids, np.asarray(sampled.sequences[0].logprobs))
+    samples = train_and_check_two_adapters(backend, model_dir, _reference, TOL)
+    assert any(".kv_b_proj" in k for k in get_adapter_weights(backend.model, backend.models["a"].adapter_index, 8))
     sharded = tx.JaxBackend(model_dir, tx.JaxBackendConfig(
         max_lora_adapters=3, max_lora_rank=8, max_seq_len=96, fully_sharded_data_parallel_size=2,
         expert_parallel_size=2, tensor_parallel_size=2))
@@ -289,7 +253,7 @@ def test_backend_trains_and_greedy_paged_sampling_matches_generate(deepseek_dirs
         weights = get_adapter_weights(backend.model, meta.adapter_index, meta.lora_config.rank)
         set_adapter_weights(sharded.model, sharded.models[model_id].adapter_index, weights,
                             alpha=meta.lora_config.alpha, rank=meta.lora_config.rank)
-        out = sharded.sample(sample_batch([("s", model_id, [(prompt, SP(max_tokens=12, temperature=0.0))], False,
+        out = sharded.sample(sample_batch([("s", model_id, [(GREEDY_PROMPT, SP(max_tokens=12, temperature=0.0))], False,
                                             0)]))["s"].sequences[0]
         assert out.tokens == samples[model_id][0], model_id
         np.testing.assert_allclose(np.asarray(out.logprobs), samples[model_id][1], atol=1e-4)

@@ -14,10 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import tx
-from tests.helpers import hf_logprobs, make_batch, peft_model_of, random_batch, random_datums
-from tests.sampling.test_sample import SP, sample_batch
-from tx import types
-from tx.models.adapters import get_adapter_weights
+from tests.helpers import hf_logprobs, peft_model_of, random_batch, train_and_check_two_adapters
 from tx.models.config import ModelConfig
 from tx.models.layers.rope import inv_freq
 from tx.models.loading import load_model
@@ -93,31 +90,7 @@ def test_lora_training_matches_peft_and_greedy_sampling_matches_generate(llama_d
     sampling through an adapter equals transformers' generate on the PEFT model."""
     model_dir = str(llama_dirs[False])
     backend = tx.JaxBackend(model_dir, tx.JaxBackendConfig(max_lora_adapters=3, max_lora_rank=8, max_seq_len=96))
-    backend.create_model("a", types.LoraConfig(rank=8, alpha=16, seed=1))
-    backend.create_model("b", types.LoraConfig(rank=4, alpha=8, seed=2, train_mlp=False))
-    train = random_datums(0, [70, 12])
-    for _ in range(3):
-        for model_id in ("a", "b"):
-            out = backend.forward_backward(make_batch([("r", model_id, train, "cross_entropy", None)]))["r"]
-            assert isinstance(out, types.ForwardBackwardOutput), out
-            backend.optim_step(model_id, types.OptimStepInput(adam_params=types.AdamParams(learning_rate=1e-2)))
-    datums = random_datums(1, [80, 9])
-    prompt = [5, 17, 99, 3, 42, 7]
-    for model_id in ("a", "b"):
-        meta = backend.models[model_id]
-        weights = get_adapter_weights(backend.model, meta.adapter_index, meta.lora_config.rank)
-        peft = peft_model_of(model_dir, weights, meta.lora_config.rank, meta.lora_config.alpha)
-        out = backend.forward(make_batch([("f", model_id, datums, "cross_entropy", None)]))["f"]
-        for datum, output in zip(datums, out.loss_fn_outputs):
-            ids = np.array([datum["input_ids"]])
-            want = hf_logprobs(peft, ids, np.ones_like(ids), np.array([datum["targets"]]))[0]
-            assert np.abs(output["logprobs"].to_numpy() - want).max() <= TOL, model_id
-        sampled = backend.sample(sample_batch([("s", model_id, [(prompt, SP(max_tokens=12, temperature=0.0))],
-                                                False, 0)]))["s"]
-        with torch.no_grad():
-            ids = peft.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                                pad_token_id=0)[0, len(prompt):].tolist()
-        assert sampled.sequences[0].tokens == ids, model_id
+    train_and_check_two_adapters(backend, model_dir, peft_model_of, TOL)
 
 
 def test_sharded_over_8_devices_equals_one_device(llama_dirs):

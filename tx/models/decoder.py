@@ -14,7 +14,6 @@ chunks.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 
