@@ -81,28 +81,47 @@ def test_logprobs_match_transformers(deepseek_dirs, name):
     assert np.abs(want[valid] - want[valid].mean()).max() > 1e-2  # not trivially uniform
 
 
-@pytest.mark.parametrize("theta, head_dim, rope", [
-    (10000.0, 64, {"factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
-                   "mscale": 1.0, "mscale_all_dim": 1.0}),  # DeepSeek-V3
-    (1e6, 128, {"factor": 4.0, "original_max_position_embeddings": 32768}),  # Qwen3's long-context recipe
-    (50000.0, 64, {"factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
-                   "mscale": 1.0, "mscale_all_dim": 0.0, "truncate": False}),
-], ids=["deepseek_v3", "qwen3", "untruncated"])
-def test_yarn_frequencies_are_bit_identical_to_transformers(theta, head_dim, rope):
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+YARN_CASES = {
+    "deepseek_v3": (10000.0, 64, {"factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                                  "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    "qwen3": (1e6, 128, {"factor": 4.0, "original_max_position_embeddings": 32768}),  # Qwen3's long-context recipe
+    "untruncated": (50000.0, 64, {"factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                                  "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0, "truncate": False}),
+}
+# transformers' own YaRN init, run by torch's scalar (libm) kernels (ATEN_CPU_CAPABILITY=default): its SIMD powf
+# is 1 ulp accurate, not correctly rounded (e.g. 1e6 ** 0.578125), and tx holds the correctly rounded power, as
+# tests/models/test_rope.py shows for the default RoPE
+_HF_YARN = """
+import json, sys
+from transformers import DeepseekV3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+out = {}
+for name, (theta, dim, rope) in json.loads(sys.argv[1]).items():
+    cfg = DeepseekV3Config(qk_rope_head_dim=dim, max_position_embeddings=163840,
+                           rope_parameters={"rope_type": "yarn", "rope_theta": theta, **rope})
+    freqs, factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    out[name] = [freqs.numpy().view("uint32").tolist(), factor]
+print(json.dumps(out))
+"""
+
+
+def test_yarn_frequencies_are_bit_identical_to_transformers():
+    import os
+    import subprocess
+    import sys
 
     from tx.models.config import YarnRope
     from tx.models.layers.rope import yarn_inv_freq
 
-    params = {"rope_type": "yarn", "rope_theta": theta, **rope}
-    config = DeepseekV3Config(qk_rope_head_dim=head_dim, rope_parameters=params, max_position_embeddings=163840)
-    want, want_factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
-    got, factor = yarn_inv_freq(head_dim, theta, YarnRope(**rope).key())
-    # within one float32 ulp: tx raises theta to each exponent correctly rounded, torch's SIMD powf (Sleef, 1-ulp
-    # bound) is off by one ulp at a few exponents (e.g. 1e6 ** 0.578125); every other step is the same float32 op
-    np.testing.assert_array_max_ulp(got, want.numpy(), maxulp=1)
-    assert np.mean(got == want.numpy()) > 0.9
-    assert factor == pytest.approx(want_factor, rel=1e-12)
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    out = subprocess.run([sys.executable, "-c", _HF_YARN, json.dumps(YARN_CASES)], env=env, check=True,
+                         capture_output=True, text=True, timeout=120)
+    want = json.loads(out.stdout.strip().splitlines()[-1])
+    for name, (theta, head_dim, rope) in YARN_CASES.items():
+        got, factor = yarn_inv_freq(head_dim, theta, YarnRope(**rope).key())
+        np.testing.assert_array_equal(got.view(np.uint32), np.asarray(want[name][0], np.uint32), err_msg=name)
+        assert factor == pytest.approx(want[name][1], rel=1e-12), name
+    assert YARN_CASES["deepseek_v3"][2]["factor"] == 40.0 and factor != 1.0  # the untruncated case scales cos/sin
 
 
 def test_config_maps_and_refuses(deepseek_dirs):

@@ -40,8 +40,10 @@ def _deepseek_v2_lite_attention(path) -> tuple[str, list[str]]:
                            num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2,
                            n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
                            kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
-                           max_position_embeddings=163840, rope_parameters=yarn, initializer_range=0.05,
+                           max_position_embeddings=163840, rope_parameters=yarn, initializer_range=0.02,
                            attn_implementation="sdpa")
+    # initializer_range: transformers' default (DeepSeek-V3's own is 0.006); at Llama's 0.05 this model's logits span
+    # 30 nats and its float32 noise alone (no adapter) reaches 8e-5 at every position, not only late ones
     torch.manual_seed(0)
     DeepseekV3ForCausalLM(cfg).to(torch.float32).save_pretrained(path)
     # PEFT on every attention projection and the LM head (it retargets gate/up/down to the fused expert tensors)
