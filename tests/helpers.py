@@ -189,5 +189,10 @@ def train_and_check_two_adapters(backend, model_dir, reference, tol: float = 1e-
             want_tokens = ref.generate(torch.tensor([GREEDY_PROMPT]), max_new_tokens=12, do_sample=False,
                                        eos_token_id=None, pad_token_id=0)[0, len(GREEDY_PROMPT):].tolist()
         assert sampled.tokens == want_tokens, model_id
+        # the sampled tokens' log-probs are the training forward's on the same sequence
+        seq = GREEDY_PROMPT + sampled.tokens
+        scored = backend.forward(make_batch([("g", model_id, [{"input_ids": seq[:-1], "targets": seq[1:]}],
+                                              "cross_entropy", None)]))["g"].loss_fn_outputs[0]["logprobs"].to_numpy()
+        np.testing.assert_allclose(np.asarray(sampled.logprobs), scored[-len(sampled.tokens):], atol=tol)
         samples[model_id] = (sampled.tokens, np.asarray(sampled.logprobs))
     return samples

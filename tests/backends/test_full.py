@@ -93,16 +93,18 @@ def assert_close(got: dict, want: dict, rel: float, what: str):
 MESH_222 = dict(fully_sharded_data_parallel_size=2, expert_parallel_size=2, tensor_parallel_size=2)
 
 
-@pytest.mark.parametrize("kind,mesh", [("dense", {}), ("moe", {}), ("moe", MESH_222)], ids=["dense", "moe", "moe-222"])
-def test_full_steps_match_torch_adamw(tiny_dirs, kind, mesh):
+@pytest.mark.parametrize("kind,mesh", [("dense", {}), ("moe", {}), ("moe", MESH_222), ("llama", {})],
+                         ids=["dense", "moe", "moe-222", "llama"])
+def test_full_steps_match_torch_adamw(tiny_dirs, family_dirs, kind, mesh):
     """Gradient sums after one forward_backward, then the weights after 1 and 3 optim_steps on the same batch,
     equal transformers + torch.optim.AdamW (same lr, betas, eps, weight decay, clip_grad_norm_) to 1e-5 of each
     tensor's scale in float32. MoE: router and scanned per-layer expert kernels included. The (2, 2, 2) mesh on
     8 CPU devices meets the same 1e-5 bound after one step, so it equals one device to 2e-5; its Adam moments
     are sharded like the weights."""
     datums = weighted_datums(0, [11, 7, 5, 4])
-    backend = new_backend(tiny_dirs[kind], **mesh)
-    hf = AutoModelForCausalLM.from_pretrained(tiny_dirs[kind], dtype=torch.float32)
+    model_dir = {**tiny_dirs, **family_dirs}[kind]  # llama: Llama 3 (no q/k norms, Llama 3.1 RoPE)
+    backend = new_backend(model_dir, **mesh)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     params = dict(hf.named_parameters())
     before = {k: v.detach().numpy().copy() for k, v in params.items()}
     opt = torch.optim.AdamW(params.values(), lr=ADAM["learning_rate"], betas=(ADAM["beta1"], ADAM["beta2"]),
