@@ -5,7 +5,7 @@ import pytest
 from flax import nnx
 
 from tx.models.decoder import DecoderLM
-from tx.models.registry import FAMILIES, model_class, register
+from tx.models.registry import FAMILIES, family_names, model_class, register
 from tx.registry import Registry
 
 
@@ -64,7 +64,11 @@ def test_every_built_in_family_builds_a_causal_lm(spec):
     from tx.models.loading import build_abstract
     from tx.models.tiny import TinySpec, hf_config
 
-    cfg = ModelConfig.from_hf_dict(hf_config(TinySpec(**spec)))
+    hf = hf_config(TinySpec(**spec))
+    cfg = ModelConfig.from_hf_dict(hf)
+    # what get_server_capabilities reports: the HF model_type and tinker-cookbook's renderer of the family
+    renderers = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "llama": "llama3", "deepseek_v3": "deepseekv3"}
+    assert family_names(cfg.architecture) == {"family": hf["model_type"], "renderer_name": renderers[hf["model_type"]]}
     model = build_abstract(cfg, LoraSlots(max_lora_adapters=2, max_lora_rank=2), platform="cpu")
     assert isinstance(model, CausalLM) and type(model) is model_class(cfg.architecture)
     pools = model.kv_layout()
