@@ -257,7 +257,7 @@ class SparseMoE(nnx.Module):
                                  out_shapes=x_btd.shape)
         out_btd = local(*args)
         if hasattr(self, "shared_experts"):
-            out_btd = out_btd + self.shared_experts(x_btd, None if not use_lora else adapter_b)
+            out_btd = out_btd + self.shared_experts(x_btd, adapter_b if use_lora else None)
         return out_btd
 
     def _local_experts(self, x_btd, expert_btk, weight_btk, adapter_b, layer, weights, use_lora,
