@@ -81,6 +81,21 @@ def hf_logprobs(model, ids: np.ndarray, mask: np.ndarray, targets: np.ndarray) -
     return logprobs.gather(-1, torch.tensor(targets, dtype=torch.long)[..., None])[..., 0].numpy()
 
 
+def assert_logprobs_match_hf(model, hf, seed: int, lengths: list[int], vocab: int = 512, tol: float = 1e-4) -> None:
+    """The tx model's base log-probs of random right-padded rows equal transformers' `hf` within `tol` (and are not
+    trivially uniform)."""
+    import jax.numpy as jnp
+
+    ids, mask, targets = random_batch(seed, lengths, vocab)
+    adapters = jnp.zeros(len(lengths), jnp.int32)
+    hidden = model(jnp.asarray(ids), jnp.asarray(mask), adapters)
+    got = np.asarray(model.target_logprobs(hidden, jnp.asarray(targets), adapters))
+    want = hf_logprobs(hf, ids, mask, targets)
+    valid = mask.astype(bool)
+    assert np.abs(got - want)[valid].max() <= tol
+    assert np.abs(want[valid] - want[valid].mean()).max() > 1e-2
+
+
 def peft_weights(peft_model) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """{hf module name: (A [r, in], B [out, r])} of a PEFT model's default adapter."""
     out = {}

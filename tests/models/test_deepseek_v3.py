@@ -15,8 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
 import tx
-from tests.helpers import (GREEDY_PROMPT, hf_logprobs, make_batch, peft_model_of, random_batch,
-                           train_and_check_two_adapters)
+from tests.helpers import (GREEDY_PROMPT, assert_logprobs_match_hf, hf_logprobs, make_batch, peft_model_of,
+                           random_batch, train_and_check_two_adapters)
 from tests.sampling.test_sample import SP, sample_batch
 from tx import types
 from tx.models.adapters import get_adapter_weights, hf_module_names, lora_modules, set_adapter_weights
@@ -72,13 +72,7 @@ def test_logprobs_match_transformers(deepseek_dirs, name):
     model = load_model(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     assert hf.model.layers[1].mlp.gate.e_score_correction_bias.abs().max() > 0.01  # the bias is loaded and used
-    ids, mask, targets = random_batch(3, [512, 40], 512)
-    hidden = model(jnp.asarray(ids), jnp.asarray(mask), jnp.zeros(2, jnp.int32))
-    got = np.asarray(model.target_logprobs(hidden, jnp.asarray(targets), jnp.zeros(2, jnp.int32)))
-    want = hf_logprobs(hf, ids, mask, targets)
-    valid = mask.astype(bool)
-    assert np.abs(got - want)[valid].max() <= TOL
-    assert np.abs(want[valid] - want[valid].mean()).max() > 1e-2  # not trivially uniform
+    assert_logprobs_match_hf(model, hf, 3, [512, 40], tol=TOL)
 
 
 YARN_CASES = {
@@ -309,13 +303,7 @@ def test_tx_written_deepseek_checkpoint_matches_transformers(tmp_path, q_lora_ra
     assert isinstance(hf, DeepseekV3ForCausalLM) and hf.config.q_lora_rank == (q_lora_rank or None)
     assert hf.model.layers[2].mlp.gate.e_score_correction_bias.abs().max() > 0.01
     model = load_model(model_dir)
-    ids, mask, targets = random_batch(6, [200, 64], 512)
-    hidden = model(jnp.asarray(ids), jnp.asarray(mask), jnp.zeros(2, jnp.int32))
-    got = np.asarray(model.target_logprobs(hidden, jnp.asarray(targets), jnp.zeros(2, jnp.int32)))
-    want = hf_logprobs(hf, ids, mask, targets)
-    valid = mask.astype(bool)
-    assert np.abs(got - want)[valid].max() <= TOL
-    assert np.abs(want[valid] - want[valid].mean()).max() > 1e-2
+    assert_logprobs_match_hf(model, hf, 6, [200, 64], tol=TOL)
     with pytest.raises(ValueError, match="always MoE"):
         TinySpec(family="deepseek_v3", moe=True)
 

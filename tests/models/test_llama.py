@@ -6,7 +6,6 @@ paged sampling == `generate`."""
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -14,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import tx
-from tests.helpers import hf_logprobs, peft_model_of, random_batch, train_and_check_two_adapters
+from tests.helpers import assert_logprobs_match_hf, peft_model_of, train_and_check_two_adapters
 from tx.models.config import ModelConfig
 from tx.models.layers.rope import inv_freq
 from tx.models.loading import load_model
@@ -66,13 +65,7 @@ def test_logprobs_match_transformers_beyond_the_original_context(llama_dirs, tie
     assert cfg.tie_word_embeddings == tie and cfg.head_dim == 16 and cfg.num_key_value_heads == 2
     model = load_model(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ids, mask, targets = random_batch(3, [150, 40], 512)
-    hidden = model(jnp.asarray(ids), jnp.asarray(mask), jnp.zeros(2, jnp.int32))
-    got = np.asarray(model.target_logprobs(hidden, jnp.asarray(targets), jnp.zeros(2, jnp.int32)))
-    want = hf_logprobs(hf, ids, mask, targets)
-    valid = mask.astype(bool)
-    assert np.abs(got - want)[valid].max() <= TOL
-    assert np.abs(want[valid] - want[valid].mean()).max() > 1e-2  # not trivially uniform
+    assert_logprobs_match_hf(model, hf, 3, [150, 40], tol=TOL)
 
 
 def test_config_refuses_what_llama_checkpoints_do_not_have(llama_dirs):
@@ -115,13 +108,7 @@ def test_tx_written_llama_checkpoint_matches_transformers(tmp_path):
     cfg = ModelConfig.from_dir(model_dir)
     assert cfg.architecture == "LlamaForCausalLM" and not cfg.qk_norm and cfg.llama3_rope.factor == 8.0
     model = load_model(model_dir)
-    ids, mask, targets = random_batch(6, [300, 64], 512)
-    hidden = model(jnp.asarray(ids), jnp.asarray(mask), jnp.zeros(2, jnp.int32))
-    got = np.asarray(model.target_logprobs(hidden, jnp.asarray(targets), jnp.zeros(2, jnp.int32)))
-    want = hf_logprobs(hf, ids, mask, targets)
-    valid = mask.astype(bool)
-    assert np.abs(got - want)[valid].max() <= TOL
-    assert np.abs(want[valid] - want[valid].mean()).max() > 1e-2
+    assert_logprobs_match_hf(model, hf, 6, [300, 64], tol=TOL)
     with pytest.raises(ValueError, match="moe=True needs family='qwen3'"):
         TinySpec(family="llama", moe=True)
     with pytest.raises(ValueError, match="llama3_rope=True needs family='llama'"):
