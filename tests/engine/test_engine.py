@@ -15,7 +15,8 @@ import sqlalchemy as sa
 from tx import types
 from tx.engine.engine import Engine, EngineConfig
 from tx.engine.ops import CreateRequest, UserError
-from tx.engine.store import Store, sessions
+from tx.engine.schema import sessions
+from tx.engine.store import Store
 
 MODEL = "sess-a:train:0"
 

@@ -13,7 +13,8 @@ from tests.engine.test_engine import FakeBackend, wait_for
 from tx import types
 from tx.engine.engine import Engine, EngineConfig
 from tx.engine.ops import CreateRequest, Datum, PassRequest, SampleRequest
-from tx.engine.store import Store, sessions
+from tx.engine.schema import sessions
+from tx.engine.store import Store
 
 STEP_S, PASS_S = 0.02, 0.2
 

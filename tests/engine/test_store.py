@@ -11,8 +11,10 @@ import sqlalchemy as sa
 
 from tests.pg_server import PostgresUnavailable, postgres_server
 from tests.require import skip_or_fail
+from tx.engine import schema as schema_mod
 from tx.engine import store as store_mod
-from tx.engine.store import SCHEMA_VERSION, FutureRow, SchemaError, Store
+from tx.engine.schema import SCHEMA_VERSION, SchemaError
+from tx.engine.store import FutureRow, Store
 
 
 class Clock:
@@ -72,7 +74,7 @@ def schema_versions(url: str) -> list[int]:
     engine = sa.create_engine(url)
     try:
         with engine.connect() as conn:
-            return list(conn.execute(sa.select(store_mod.schema_info.c.version)).scalars())
+            return list(conn.execute(sa.select(schema_mod.schema_info.c.version)).scalars())
     finally:
         engine.dispose()
 
@@ -81,7 +83,7 @@ def set_schema_version(url: str, version: int) -> None:
     engine = sa.create_engine(url)
     try:
         with engine.begin() as conn:
-            conn.execute(store_mod.schema_info.update().values(version=version))
+            conn.execute(schema_mod.schema_info.update().values(version=version))
     finally:
         engine.dispose()
 
@@ -97,7 +99,7 @@ def columns(url: str, table: str) -> list[str]:
 def old_schema(*without: str) -> sa.MetaData:
     """The tables of an older schema: today's without the columns named and without schema 4's train_steps."""
     old = sa.MetaData()
-    for table in store_mod.metadata.tables.values():
+    for table in schema_mod.metadata.tables.values():
         if table.name != "train_steps":
             sa.Table(table.name, old, *[c._copy() for c in table.columns if c.name not in without])
     return old
@@ -471,7 +473,7 @@ def test_rows_carry_their_owner_and_listings_filter_by_it(store, clock):
 
 def test_schema_1_database_gets_owner_columns(url):
     """A database written by schema 1 (no owner columns) is migrated; its rows belong to nobody."""
-    v1 = old_schema("owner", "public", *store_mod.SPAN_COLUMNS)  # the columns schemas 2-4 added
+    v1 = old_schema("owner", "public", *schema_mod.SPAN_COLUMNS)  # the columns schemas 2-4 added
     engine = sa.create_engine(url)
     try:
         with engine.begin() as conn:
@@ -489,7 +491,7 @@ def test_schema_1_database_gets_owner_columns(url):
         finally:
             s.close()
         assert schema_versions(url) == [SCHEMA_VERSION] == [4]
-        for table in store_mod.OWNED_TABLES:
+        for table in schema_mod.OWNED_TABLES:
             assert "owner" in columns(url, table.name)
             assert f"ix_{table.name}_owner" in {i["name"] for i in sa.inspect(engine).get_indexes(table.name)}
     finally:
@@ -498,7 +500,7 @@ def test_schema_1_database_gets_owner_columns(url):
 
 def test_schema_3_database_gets_spans_and_train_steps(url):
     """A schema 3 database (no span columns, no train_steps) is migrated; its futures keep their rows."""
-    v3 = old_schema(*store_mod.SPAN_COLUMNS)
+    v3 = old_schema(*schema_mod.SPAN_COLUMNS)
     engine = sa.create_engine(url)
     try:
         with engine.begin() as conn:
@@ -520,7 +522,7 @@ def test_schema_3_database_gets_spans_and_train_steps(url):
         finally:
             s.close()
         assert schema_versions(url) == [4]
-        assert set(store_mod.SPAN_COLUMNS) <= set(columns(url, "futures"))
+        assert set(schema_mod.SPAN_COLUMNS) <= set(columns(url, "futures"))
         assert "ix_futures_finished_at" in {i["name"] for i in sa.inspect(engine).get_indexes("futures")}
     finally:
         engine.dispose()
@@ -578,8 +580,8 @@ def test_older_schema_is_migrated(url, monkeypatch):
         calls.append(SCHEMA_VERSION)
         _add_note_column(conn)
 
-    monkeypatch.setattr(store_mod, "SCHEMA_VERSION", SCHEMA_VERSION + 1)
-    monkeypatch.setattr(store_mod, "MIGRATIONS", {SCHEMA_VERSION: v1_to_v2})
+    monkeypatch.setattr(schema_mod, "SCHEMA_VERSION", SCHEMA_VERSION + 1)
+    monkeypatch.setattr(schema_mod, "MIGRATIONS", {SCHEMA_VERSION: v1_to_v2})
     Store(url).close()
     assert calls == [SCHEMA_VERSION]
     assert "note" in columns(url, "models")
@@ -598,8 +600,8 @@ def test_migrations_run_in_order_over_several_versions(url, monkeypatch):
     Store(url).close()
     calls = []
     steps = {SCHEMA_VERSION + i: (lambda conn, i=i: calls.append(SCHEMA_VERSION + i)) for i in range(3)}
-    monkeypatch.setattr(store_mod, "SCHEMA_VERSION", SCHEMA_VERSION + 3)
-    monkeypatch.setattr(store_mod, "MIGRATIONS", steps)
+    monkeypatch.setattr(schema_mod, "SCHEMA_VERSION", SCHEMA_VERSION + 3)
+    monkeypatch.setattr(schema_mod, "MIGRATIONS", steps)
     Store(url).close()
     assert calls == [SCHEMA_VERSION, SCHEMA_VERSION + 1, SCHEMA_VERSION + 2]
     assert schema_versions(url) == [SCHEMA_VERSION + 3]
@@ -612,15 +614,15 @@ def test_failed_migration_leaves_the_database_as_it_was(url, monkeypatch):
         _add_note_column(conn)
         raise RuntimeError("migration bug")
 
-    monkeypatch.setattr(store_mod, "SCHEMA_VERSION", SCHEMA_VERSION + 1)
-    monkeypatch.setattr(store_mod, "MIGRATIONS", {SCHEMA_VERSION: broken})
+    monkeypatch.setattr(schema_mod, "SCHEMA_VERSION", SCHEMA_VERSION + 1)
+    monkeypatch.setattr(schema_mod, "MIGRATIONS", {SCHEMA_VERSION: broken})
     with pytest.raises(RuntimeError, match="migration bug"):
         Store(url)
     assert schema_versions(url) == [SCHEMA_VERSION]
     # All or nothing: the step's DDL must be rolled back too, or re-running it after a fix fails
     # ("duplicate column") and the database is stuck between versions.
     assert "note" not in columns(url, "models")
-    monkeypatch.setattr(store_mod, "MIGRATIONS", {SCHEMA_VERSION: _add_note_column})
+    monkeypatch.setattr(schema_mod, "MIGRATIONS", {SCHEMA_VERSION: _add_note_column})
     Store(url).close()
     assert schema_versions(url) == [SCHEMA_VERSION + 1]
 
@@ -680,8 +682,8 @@ def test_concurrent_submits_finishes_and_heartbeats_never_see_database_locked(tm
     assert errors == [], f"{len(errors)} of {len(errors) + len(ops)} operations failed, e.g. {errors[0]}"
     assert ops.count("submit") == 1000
     with store.engine.connect() as conn:
-        statuses = conn.execute(sa.select(store_mod.futures.c.status, sa.func.count())
-                                .group_by(store_mod.futures.c.status)).all()
+        statuses = conn.execute(sa.select(schema_mod.futures.c.status, sa.func.count())
+                                .group_by(schema_mod.futures.c.status)).all()
     assert dict(statuses) == {"done": 1000}
     store.close()
 
@@ -694,7 +696,7 @@ def test_sqlite_reads_do_not_wait_for_an_open_write(tmp_path):
     store = Store(f"sqlite:///{tmp_path / 'tx.sqlite'}")
     request_id, _ = store.add_future("optim_step", None)
     with store.engine.begin() as writer:  # holds SQLite's write lock until the block ends
-        writer.execute(store_mod.futures.update().values(status="failed"))
+        writer.execute(schema_mod.futures.update().values(status="failed"))
         started = time.monotonic()
         assert store.future(request_id).status == "pending"  # the committed state, without waiting
         assert time.monotonic() - started < 1.0
@@ -704,7 +706,7 @@ def test_sqlite_reads_do_not_wait_for_an_open_write(tmp_path):
 
 def test_schema_2_database_gets_public_column(url):
     """A schema-2 database (no checkpoints.public) is migrated; its checkpoints stay private."""
-    v2 = old_schema("public", *store_mod.SPAN_COLUMNS)  # the columns schemas 3-4 added
+    v2 = old_schema("public", *schema_mod.SPAN_COLUMNS)  # the columns schemas 3-4 added
     engine = sa.create_engine(url)
     try:
         with engine.begin() as conn:

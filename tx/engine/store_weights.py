@@ -9,7 +9,8 @@ import time
 
 import sqlalchemy as sa
 
-from tx.engine.store import Store, checkpoints, models, sessions
+from tx.engine.schema import checkpoints, models, sessions
+from tx.engine.store import Store
 
 
 def _key(model_id: str, kind: str, name: str) -> tuple:
