@@ -1,13 +1,15 @@
 """Two real processes on 127.0.0.1 (4 CPU devices each, gloo) against one process with 8 devices: the same
-results for every backend method, LoRA (Qwen3 dense, Llama 3, and DeepSeek-V3, whose MoE layers carry the expert
-parallelism: experts over ep, routing and the expert all-reduce per device) and full training (dense)."""
+results for every backend method, LoRA (Qwen3 dense, and DeepSeek-V3, whose MoE layers carry the expert
+parallelism: experts over ep, routing and the expert all-reduce per device) and full training (dense). Llama 3 is
+not run here: what it changes (RoPE scaling, no q/k norms) is per-device arithmetic that the dense run's
+collectives and the one-process mesh tests of tests/models/test_llama.py already cover."""
 
 import pytest
 
 from tests.distributed.test_multihost import _close, run_pair, run_single
 
 
-@pytest.mark.parametrize("name", ["dense", "llama", "deepseek_v3"])  # tiny checkpoints of tests/conftest.py
+@pytest.mark.parametrize("name", ["dense", "deepseek_v3"])  # tiny checkpoints of tests/conftest.py
 def test_two_processes_equal_one_process(tiny_dirs, family_dirs, tmp_path, name):
     """LoRA: every backend method (forward_backward, optim_step, forward, sample, checkpoint save/load, sampler
     save, delete/recreate) on a (2, 2, 2) mesh over two processes == one process with 8 devices."""
