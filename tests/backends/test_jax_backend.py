@@ -87,9 +87,9 @@ def test_training_one_adapter_leaves_the_other_bit_identical(tiny_dirs):
 
 def test_passes_skip_the_head_delta_only_where_no_row_adapts_the_head(tiny_dirs, monkeypatch):
     """An adapter that does not train the LM head has head scale 0: its passes skip the head's LoRA delta
-    (exactly zero for it) and give the same log-probs, losses and gradient sums, bit for bit, as the pass
-    that computes it; a batch with a row of a head-training adapter computes it, and that adapter's head
-    factors train."""
+    (exactly zero for it) and give the same log-probs, losses and gradient sums as the pass that computes it (to
+    1e-6 of each gradient's scale: two programs, whose sums XLA may order differently); a batch with a row of a
+    head-training adapter computes it, and that adapter's head factors train."""
     backend = new_backend(tiny_dirs)
     backend.create_model("n", types.LoraConfig(rank=8, alpha=16, seed=3, train_unembed=False))
     datums = random_datums(4, [11, 6, 9])
@@ -104,9 +104,8 @@ def test_passes_skip_the_head_delta_only_where_no_row_adapts_the_head(tiny_dirs,
     monkeypatch.undo()
     for x, y in zip(plain.loss_fn_outputs, forced.loss_fn_outputs):
         for key in ("logprobs", "elementwise_loss"):
-            assert np.array_equal(x[key].to_numpy(), y[key].to_numpy()), key
-    for k, v in backend.grad_sum_of("n").items():
-        assert np.array_equal(grads_plain[k], v), k
+            np.testing.assert_allclose(x[key].to_numpy(), y[key].to_numpy(), rtol=0, atol=1e-6, err_msg=key)
+    _assert_close_trees(grads_plain, backend.grad_sum_of("n"), rtol=1e-6)
     # a row of "a" (trains the head) in the batch: the delta is computed and a's head factors get gradients
     mixed = make_batch([ce_request("ra", "a", datums[:1]), ce_request("rn", "n", datums[1:])])
     assert backend._head_adapted({backend.models["a"].adapter_index, backend.models["n"].adapter_index})
