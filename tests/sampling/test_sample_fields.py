@@ -166,8 +166,7 @@ def test_topk_sample_logprobs_match_transformers(models):
 
 def test_topk_sample_logprobs_cut_with_stop_string(models):
     """A stop string cuts the top-k rows with the tokens they belong to (the same ids; the log-probs to 1e-6: the
-    second request reads the first one's prompt pages from the prefix cache, a different program whose sums XLA
-    may order differently)."""
+    two requests may run different programs, whose sums XLA may order differently)."""
     backend, _ = models
     first = backend.sample(batch(("probe", "", PROMPT[:3], SP(max_tokens=6, temperature=0.0, stop=[]), 1, False, 0,
                                   types.SampleOptions(topk_sample_logprobs=2))))["probe"].sequences[0]
