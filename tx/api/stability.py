@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
-from tinker.proto import tinker_public_pb2 as pb
 
+from tx.api.proto import pb
 from tx.engine.ops import PassRequest, UserError
 
 PROTO = "application/x-protobuf"

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 from google.protobuf.message import DecodeError
-from tinker.proto import tinker_public_pb2 as pb
 
 from tx import losses, types
+from tx.api.proto import pb
 from tx.engine.ops import Datum, PassRequest, UserError
 
 PROTO = "application/x-protobuf"

@@ -14,9 +14,9 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
-from tinker.proto import tinker_public_pb2 as pb
 
 from tx.api import bodies, wire
+from tx.api.proto import pb
 from tx.engine.ops import UserError
 
 _DTYPES = {"float32": (pb.DTYPE_FLOAT32, np.float32), "int64": (pb.DTYPE_INT64, np.int64)}
