@@ -26,8 +26,8 @@ def load_public_pb2() -> ModuleType:
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("the tinker SDK is not installed: tx's API speaks its wire protocol (pip install tinker)")
     path = Path(list(spec.submodule_search_locations)[0]) / "proto" / "tinker_public_pb2.py"
-    module_spec = importlib.util.spec_from_file_location(NAME, path)
-    if module_spec is None or module_spec.loader is None or not path.is_file():
+    module_spec = importlib.util.spec_from_file_location(NAME, path) if path.is_file() else None
+    if module_spec is None or module_spec.loader is None:
         return importlib.import_module(NAME)  # an unusual install layout: the ordinary import
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[NAME] = module
