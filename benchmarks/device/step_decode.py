@@ -64,7 +64,7 @@ def greedy_rows(backend, m, plen: int, rows: int, tokens: int) -> list[tuple[lis
     prompts = np.random.default_rng(1).integers(3, m.vocab_size, (rows, plen)).tolist()
     out = backend.sample(sample_batch(prompts, [tokens] * rows, "m0"))
     generated_tokens(out)  # raises on a failed request
-    return [(o.sequences[0].tokens, o.sequences[0].logprobs) for _, o in sorted(out.items(), key=lambda kv: int(kv[0][1:]))]
+    return [(out[f"r{i}"].sequences[0].tokens, out[f"r{i}"].sequences[0].logprobs) for i in range(rows)]
 
 
 def compare_greedy(want: list, got: list) -> dict:
