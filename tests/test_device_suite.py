@@ -22,7 +22,7 @@ EXPECTED = {
     "a": ["attention_parity_unpacked", "attention_parity_packed", "attention_time_t128"],
     "b": ["lora_train_1_adapter", "lora_train_8_adapters"],
     "c": ["full_train"],
-    "d": ["decode_b1", "decode_b2", "decode_b4", "decode_unrolled_b1", "decode_unrolled_b2"],
+    "d": ["decode_b1", "decode_b2", "decode_b4", "decode_scan_b1"],
     "g": ["lora_train_1_adapter", "lora_train_8_adapters", "decode_b1", "decode_b2"],
     "e": ["rl_sample"],
 }
@@ -96,10 +96,10 @@ def test_dry_run_values(dry_run):
     for name in ("decode_b1", "decode_b2", "decode_b4"):
         assert "hbm_fraction" in line["d", name] and line["d", name]["prefill_tokens_per_s"] > 0
     assert line["d", "decode_b1"]["shapes"]["paged_attention_impl"] == "blocked"
-    unrolled = line["d", "decode_unrolled_b2"]
-    assert unrolled["shapes"]["decode_layers"] == "unrolled" and unrolled["tokens_per_s"] > 0
-    # on one CPU device "auto" already unrolls the layers: both configs run one program, so the same tokens
-    assert unrolled["greedy_vs_default"]["identical_rows"] == unrolled["greedy_vs_default"]["rows"] == 2
+    assert line["d", "decode_b1"]["shapes"]["decode_layers"] == "unrolled"  # "auto" on one CPU device
+    scan = line["d", "decode_scan_b1"]
+    assert scan["shapes"]["decode_layers"] == "scan" and scan["tokens_per_s"] > 0
+    assert scan["greedy_vs_default"]["rows"] == 2, scan["greedy_vs_default"]
     assert line["e", "rl_sample"]["tokens_per_s"] > 0 and line["e", "rl_sample"]["shapes"]["generated_tokens"] == 128
     assert "ratio_tx_over_torch_tokens_per_s" in line["g", "decode_b1"]
 

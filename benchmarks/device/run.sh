@@ -42,7 +42,7 @@ else
     BUDGET="${SUITE_BUDGET_S:-520}"
     WORK="${TX_DEVICE_WORK:-/tmp/tx-device}"
     DRY_FLAG=()
-    declare -A LIMIT=([setup]=240 [a]=60 [b]=120 [c]=100 [d]=200 [e]=110 [g]=110)
+    declare -A LIMIT=([setup]=240 [a]=60 [b]=120 [c]=100 [d]=200 [e]=110 [g]=130)
 fi
 START=$SECONDS
 mkdir -p "$RESULTS/logs" "$WORK"

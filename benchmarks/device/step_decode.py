@@ -8,10 +8,10 @@ benchmarks/bench_sample.py, prefill time is that of a 1-token generation and dec
 decode tokens/s = B (new_tokens - 1) / (total - prefill), `step_time_s` = one decode step. One warm-up
 (compiling) round with other prompts first; medians of `repeats`.
 
-Then the same with `paged_decode_layers="unrolled"` (the layers run one by one on per-layer copies of their
-weights instead of the layer scan, which copies every layer's weights out of the stack at every step) at
-`unrolled_batches`, as `decode_unrolled_b<B>`; those lines also compare both configs' greedy tokens and log-probs on
-`check_rows` fixed prompts (`greedy_vs_default`). "auto" picks the scan on GPUs until this says otherwise.
+Then the same with `paged_decode_layers="scan"` (the layer scan, which copies every layer's weights out of the
+stack at every step, where "auto" now runs the layers one by one on per-layer copies of their weights on one
+GPU) at `scan_batches`, as `decode_scan_b<B>`; those lines also compare both configs' greedy tokens and
+log-probs on `check_rows` fixed prompts (`greedy_vs_default`).
 
 `hbm_fraction`: suite.decode_step_bytes (every matmul weight in bf16, one adapter's LoRA weights in float32,
 each row's K/V over the mean context) / step time / the device's HBM bandwidth (METHOD.md).
@@ -86,9 +86,9 @@ def main() -> None:
     check_rows, check_tokens = w["check_rows"], w["check_tokens"]
     rng = np.random.default_rng(0)
     default_rows = None
-    # the default config ("auto": the layer scan on GPUs), then the layers unrolled on per-layer weight copies
+    # the default config ("auto": the layers unrolled on per-layer weight copies on one GPU), then the layer scan
     for variant, batches, extra in (("", w["batches"], {}),
-                                    ("unrolled_", w["unrolled_batches"], {"paged_decode_layers": "unrolled"})):
+                                    ("scan_", w["scan_batches"], {"paged_decode_layers": "scan"})):
         backend, error = None, None
         try:
             import tx
