@@ -182,10 +182,11 @@ class PagedDevice:
         blocks = self.kv_blocks(max(min(lv.pos + bound - 1, lv.last) for lv in live))
         key = ("sample_decode", s, self.steps, stop_width, topk, penalized, seq_shape, blocks)
         model = self.source.model
-        layers = self.layer_copies.get(model) if self.layer_copies else None  # None: the program scans the stacks
+        # None: the program scans the stacks
+        layer_defs, layers = self.layer_copies.get(model) if self.layer_copies else (None, None)
         self.pools, out = self._call(key, decode_steps, model, self._pools(), inp, np.int32(bound),
                                      layers, steps=self.steps, topk=topk, impl=self.impl, kv_block=self.kv_block,
-                                     kv_blocks=blocks)
+                                     kv_blocks=blocks, layer_defs=layer_defs)
         from tx.models.sharding import to_host
 
         tokens_sk, logprobs_sk, new_s, done_s, hit_s, top_ids, top_lps = [None if x is None else to_host(x)

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from tx.sampling.filters import choose, mark_present
+from tx.sampling.layer_copies import layer_states
 
 Pools = list[tuple[jax.Array, ...]]  # per layer stack: its pools (`kv_layout`)
 
@@ -101,10 +102,14 @@ def slot_keys(seed_s: jax.Array, gen_s: jax.Array) -> jax.Array:
 
 
 def decode_steps(model, pools: Pools, inp: SlotInputs, bound: jax.Array, layers: list | None, steps: int, topk: int,
-                 impl: str, kv_block: int, kv_blocks: int | None = None) -> tuple[Pools, StepOutputs]:
+                 impl: str, kv_block: int, kv_blocks: int | None = None,
+                 layer_defs: tuple | None = None) -> tuple[Pools, StepOutputs]:
     s = inp.token_s.shape[0]
-    # `layers` (unrolled decode): per stack, its weights one layer at a time (tx/sampling/layer_copies.py);
-    # each step runs the layers one by one on them. None: the model's stacks under `lax.scan`.
+    # `layers` (unrolled decode): per stack, its weights one layer at a time as leaves of `layer_defs`
+    # (tx/sampling/layer_copies.py); each step runs the layers one by one on them. None: the model's stacks
+    # under `lax.scan`.
+    if layers is not None:
+        layers = layer_states(layer_defs, layers)
     # before any slot reads its pages; the page ids go to every device (each fsdp replica of the pools copies
     # every pair locally, instead of gathering the copied pages of the other rows' shards)
     src_s, dst_s = (model.layout.constrain(x, (None,)) for x in (inp.copy_src_s, inp.copy_dst_s))
