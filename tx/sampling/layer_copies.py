@@ -51,6 +51,10 @@ class LayerCopies:
                     ref() is leaf for ref, leaf in zip(held[0], leaves)):
                 out.append(held[1])
                 continue
+            # dropped first: each stale leaf's copies are freed as its new ones are made (after a full-weight
+            # optimizer step, every leaf), never a whole second set at once
+            self._stacks.pop(s, None)
+            held = None
             per_leaf = [self._layers_of(s, j, leaf) for j, leaf in enumerate(leaves)]
             layers = [[copies[i] for copies in per_leaf] for i in range(len(per_leaf[0]) if per_leaf else 0)]
             self._stacks[s] = ([weakref.ref(leaf) for leaf in leaves], layers)
