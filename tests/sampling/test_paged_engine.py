@@ -3,6 +3,8 @@ the model's plain forward over the whole sequence at every step) on the same wei
 samples, log-probs, stops, top-k log-probs; prompt sharing (one prefill per request), continuous batching
 through a small pool and few slots, bounded programs."""
 
+import logging
+
 import jax
 import numpy as np
 import pytest
@@ -130,7 +132,7 @@ def test_bucketed_block_counts_give_the_same_tokens_in_few_programs(tiny_dirs, e
         tx.JaxBackendConfig(**BASE, **PAGED, paged_kv_blocks="bucketed", paged_attention_impl="reference")
 
 
-def test_unrolled_and_scanned_layers_sample_the_same(tiny_dirs, engines):
+def test_unrolled_and_scanned_layers_sample_the_same(tiny_dirs, engines, caplog):
     """`paged_decode_layers`: "unrolled" (auto on one CPU or NVIDIA GPU device where the layer weights fit a quarter of
     its memory) runs the layers one by one on per-layer copies of their weights, made once and kept
     (tx/sampling/layer_copies.py); "scan" slices them inside the step loop. Both sample the same tokens;
@@ -139,6 +141,7 @@ def test_unrolled_and_scanned_layers_sample_the_same(tiny_dirs, engines):
 
     _, auto = engines
     assert auto.sampler.paged.device.unrolled
+    caplog.set_level(logging.INFO, logger="tx.sampling.paged_calls")
     scan = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **PAGED, paged_decode_layers="scan"))
     scan.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
     slot = auto.models["a"].adapter_index
@@ -151,6 +154,9 @@ def test_unrolled_and_scanned_layers_sample_the_same(tiny_dirs, engines):
     set_adapter_weights(unrolled.model, slot, get_adapter_weights(auto.model, slot, 4), alpha=8, rank=4)
     want = unrolled.sample(sample_batch(requests))
     assert unrolled.sampler.paged.device.layer_copies.copied > 0
+    said = [r.getMessage() for r in caplog.records if r.name == "tx.sampling.paged_calls"]
+    assert any("layer scan over the stacks (paged_decode_layers='scan', cpu x1" in m for m in said), said
+    assert any("layers unrolled on per-layer weight copies (paged_decode_layers='unrolled'" in m for m in said), said
     for request_id, *_ in requests:
         assert [s.tokens for s in want[request_id].sequences] == [s.tokens for s in got[request_id].sequences]
         for x, y in zip(want[request_id].sequences, got[request_id].sequences):

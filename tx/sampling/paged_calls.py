@@ -10,6 +10,7 @@ so few programs: prefill rows go in powers of 2 up to `prefill_rows`, decode slo
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,6 +19,8 @@ from tx.runtime import pow2
 from tx.sampling.kv_cache import table_width  # noqa: F401  (also read from here by tx/backends/precompile.py)
 from tx.sampling.layer_copies import LayerCopies
 from tx.sampling.paged_step import PrefillInputs, SlotInputs, decode_steps, prefill_chunk
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from tx.runtime import Runtime
@@ -101,8 +104,13 @@ class PagedDevice:
         self.bucketed = self.impl == "blocked" and kv_blocks_bucketed(cfg.paged_kv_blocks, platform)
         self.topk_width = pow2(cfg.max_topk_prompt_logprobs)  # topk_sample_logprobs are bounded by it
         self.stats = stats
-        self.unrolled = decode_layers_unrolled(cfg.paged_decode_layers, platform, runtime.mesh.size,
-                                               source.model.layer_bytes(), free_bytes)
+        layer_bytes = source.model.layer_bytes()
+        self.unrolled = decode_layers_unrolled(cfg.paged_decode_layers, platform, runtime.mesh.size, layer_bytes,
+                                               free_bytes)
+        # said once per engine: the unrolled layout holds a second copy of the layer weights on the device
+        logger.info("paged decode: %s (paged_decode_layers=%r, %s x%d; the copies: %.2f GiB, free: %.2f GiB)",
+                    "layers unrolled on per-layer weight copies" if self.unrolled else "layer scan over the stacks",
+                    cfg.paged_decode_layers, platform, runtime.mesh.size, layer_bytes / 2**30, free_bytes / 2**30)
         self.layer_copies = LayerCopies() if self.unrolled else None
         self.pools: list | None = None
         self.sequences: dict[str, list[int]] = {}  # stop string -> its device sequence ([]: host check only)
