@@ -28,46 +28,47 @@ def _unstack(stacked: jax.Array) -> list[jax.Array]:
     return [stacked[i] for i in range(stacked.shape[0])]
 
 
+class _Stack:
+    """One stack's copies: per leaf, the stacked array it was copied from (by weak reference) and its per-layer
+    copies; and those copies assembled per layer (what a decode call takes)."""
+
+    def __init__(self, leaves: int) -> None:
+        self.sources: list[weakref.ref | None] = [None] * leaves
+        self.copies: list[list[jax.Array] | None] = [None] * leaves
+        self.layers: list[list[jax.Array]] | None = None
+
+
 class LayerCopies:
     """The copies one engine keeps (`get` per decode call)."""
 
     def __init__(self) -> None:
-        # (stack, leaf) -> (the stacked array it was copied from, by weak reference; its per-layer copies)
-        self._leaves: dict[tuple[int, int], tuple[weakref.ref, list[jax.Array]]] = {}
-        # stack -> its leaves by weak reference and its per-layer leaf lists, reused while no leaf changed
-        self._stacks: dict[int, tuple[list[weakref.ref], list[list[jax.Array]]]] = {}
+        self._stacks: dict[int, _Stack] = {}
         self.copied = 0  # stacked leaves copied so far (tests and metrics: base weights only once)
 
     def get(self, model: Any) -> tuple[tuple[Any, ...], list[list[list[jax.Array]]]]:
         """Per stack of `model` (`scanned_states()`): the tree structure of one layer's state (a static argument
         of the decode program, `unflatten` there) and each layer's leaves. Plain lists, not per-layer states:
-        flattening 28 `nnx.State`s at every call cost ~11 ms on the host, a list of arrays ~0.1 ms."""
+        flattening 28 `nnx.State`s at every call cost ~11 ms on the host, a list of arrays ~0.1 ms. A leaf is
+        copied again only when the model holds a new array for it; unchanged stacks reuse their lists."""
         defs, out = [], []
         for s, state in enumerate(model.scanned_states()):
             leaves, treedef = jax.tree.flatten(state)
             defs.append(treedef)
-            held = self._stacks.get(s)
-            if held is not None and len(held[0]) == len(leaves) and all(
-                    ref() is leaf for ref, leaf in zip(held[0], leaves)):
-                out.append(held[1])
-                continue
-            # dropped first: each stale leaf's copies are freed as its new ones are made (after a full-weight
-            # optimizer step, every leaf), never a whole second set at once
-            self._stacks.pop(s, None)
-            held = None
-            per_leaf = [self._layers_of(s, j, leaf) for j, leaf in enumerate(leaves)]
-            layers = [[copies[i] for copies in per_leaf] for i in range(len(per_leaf[0]) if per_leaf else 0)]
-            self._stacks[s] = ([weakref.ref(leaf) for leaf in leaves], layers)
-            out.append(layers)
+            stack = self._stacks.get(s)
+            if stack is None or len(stack.sources) != len(leaves):
+                stack = self._stacks[s] = _Stack(len(leaves))
+            stale = [j for j, leaf in enumerate(leaves) if stack.sources[j] is None or stack.sources[j]() is not leaf]
+            if stale:
+                # the per-layer lists go first: each stale leaf's copies are freed as its new ones are made (after
+                # a full-weight optimizer step, every leaf), never a whole second set at once
+                stack.layers = None
+                for j in stale:
+                    stack.sources[j], stack.copies[j] = weakref.ref(leaves[j]), _unstack(leaves[j])
+                    self.copied += 1
+            if stack.layers is None:
+                stack.layers = [list(layer) for layer in zip(*stack.copies)]
+            out.append(stack.layers)
         return tuple(defs), out
-
-    def _layers_of(self, s: int, j: int, leaf: jax.Array) -> list[jax.Array]:
-        held = self._leaves.get((s, j))
-        if held is None or held[0]() is not leaf:
-            held = (weakref.ref(leaf), _unstack(leaf))
-            self._leaves[(s, j)] = held
-            self.copied += 1
-        return held[1]
 
 
 def layer_states(defs: tuple[Any, ...], layers: list[list[list[jax.Array]]]) -> list[list[Any]]:
