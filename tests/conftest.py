@@ -4,7 +4,7 @@ one-device backends unless a test asks for a mesh."""
 import os
 import tempfile
 
-from tests.helpers import cpu_xla_flags, pin_mesh_default
+from tests.helpers import TESTS_CPU_MOE_IMPL, cpu_xla_flags, pin_mesh_default, set_cpu_moe_auto
 
 # Must happen before jax is imported anywhere (tests.helpers imports only numpy): 8 host devices so mesh
 # tests run on this CPU.
@@ -26,6 +26,22 @@ from tx.models.tiny import TinySpec, write_tiny_model
 # Before any test module builds a config: backends run on one device unless a test sizes its mesh (the
 # production default spans all 8 devices; see tests/helpers.py).
 pin_mesh_default()
+# ... and MoE models run ragged_dot on CPU unless a test is marked `production_moe_kernel` (see tests/helpers.py)
+PRODUCTION_CPU_MOE_IMPL = set_cpu_moe_auto(TESTS_CPU_MOE_IMPL)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_moe_kernel(request):
+    """Tests marked `production_moe_kernel` build MoE models with tx's own CPU pick (`blocked`)."""
+    if request.node.get_closest_marker("production_moe_kernel") is None:
+        yield
+        return
+    set_cpu_moe_auto(PRODUCTION_CPU_MOE_IMPL)
+    try:
+        yield
+    finally:
+        set_cpu_moe_auto(TESTS_CPU_MOE_IMPL)
+
 
 # name -> spec; covers tied/untied, GQA ratio 1 and 2, MoE with/without norm_topk_prob, mixed dense/MoE
 # layers, and a sharded safetensors checkpoint.

@@ -48,6 +48,22 @@ def production_mesh_default():
         _set_fsdp_default(before)
 
 
+# The tests' MoE kernel on CPU: most MoE models in the test processes run XLA's `ragged_dot` (GPU's "auto" pick)
+# instead of CPU's "auto" pick, the `blocked` kernel, whose loops make a tiny MoE training step compile ~7x slower
+# (23 s instead of 2 s; the suite's MoE tests took ~2x as long). tests/conftest.py sets this for the session; the
+# tests marked `production_moe_kernel` (pyproject.toml's markers) build theirs with tx's own table, and tests/kernels/test_gmm.py checks
+# `blocked` against numpy. Subprocesses (servers, `tx.run`) are not pinned: they run the production pick.
+TESTS_CPU_MOE_IMPL = "ragged_dot"
+
+
+def set_cpu_moe_auto(impl: str) -> str:
+    """Make `impl` what moe_impl="auto" runs on CPU in this process (tx.kernels.gmm.AUTO_IMPL); the previous one."""
+    from tx.kernels.gmm import AUTO_IMPL
+
+    before, AUTO_IMPL["cpu"] = AUTO_IMPL["cpu"], impl
+    return before
+
+
 def cpu_xla_flags(devices: int) -> str:
     """XLA_FLAGS for a test process on `devices` virtual CPU devices, with XLA's CPU code generation
     unoptimised (`--xla_backend_optimization_level=0`: ~30% faster compiles) and its loop emitters in place

@@ -95,6 +95,7 @@ MESH_222 = dict(fully_sharded_data_parallel_size=2, expert_parallel_size=2, tens
 
 @pytest.mark.parametrize("kind,mesh", [("dense", {}), ("moe", {}), ("moe", MESH_222), ("llama", {})],
                          ids=["dense", "moe", "moe-222", "llama"])
+@pytest.mark.production_moe_kernel
 def test_full_steps_match_torch_adamw(tiny_dirs, family_dirs, kind, mesh):
     """Gradient sums after one forward_backward, then the weights after 1 and 3 optim_steps on the same batch,
     equal transformers + torch.optim.AdamW (same lr, betas, eps, weight decay, clip_grad_norm_) to 1e-5 of each

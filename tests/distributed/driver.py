@@ -26,6 +26,7 @@ if multi:
     jax.distributed.initialize(coordinator_address=sys.argv[4], num_processes=int(sys.argv[5]), process_id=0)
     jax.devices()  # every process must bring up its backend (topology exchange) before anything waits
 
+from tests.helpers import TESTS_CPU_MOE_IMPL  # noqa: E402
 from tx import types  # noqa: E402
 from tx.backends.config import JaxBackendConfig  # noqa: E402
 from tx.distributed.backend import DistributedBackend  # noqa: E402
@@ -33,11 +34,13 @@ from tx.distributed.auth import resolve_secret, split_address  # noqa: E402
 from tx.distributed.control import Coordinator, RemoteError, WorkerFailure  # noqa: E402
 
 SP = types.SamplingParams
-MESH = dict(fully_sharded_data_parallel_size=2, expert_parallel_size=2, tensor_parallel_size=2)
+# MoE models (DeepSeek-V3) run the tests' CPU MoE kernel (tests/helpers.py); the config reaches the worker host
+COMMON = dict(fully_sharded_data_parallel_size=2, expert_parallel_size=2, tensor_parallel_size=2,
+              moe_impl=TESTS_CPU_MOE_IMPL)
 if scenario == "full_parity":  # full fine-tuning: every base weight trained, float32
-    config = JaxBackendConfig(training_mode="full", mixed_precision="fp32", max_seq_len=64, **MESH)
+    config = JaxBackendConfig(training_mode="full", mixed_precision="fp32", max_seq_len=64, **COMMON)
 else:
-    config = JaxBackendConfig(max_lora_adapters=5, max_lora_rank=4, max_seq_len=64, **MESH)
+    config = JaxBackendConfig(max_lora_adapters=5, max_lora_rank=4, max_seq_len=64, **COMMON)
 coordinator = None
 if multi:
     host, port = split_address(sys.argv[4])

@@ -111,6 +111,7 @@ def test_blocked_work_follows_rows_not_groups(groups):
     assert windows.sum() <= 2 * m + tile * np.count_nonzero(sizes)
 
 
+@pytest.mark.production_moe_kernel
 def test_resolve_impl_by_platform_and_bad_name():
     assert resolve_impl("auto", "cpu") == "blocked"
     assert resolve_impl("auto", "tpu") == "megablox"
@@ -141,3 +142,27 @@ def test_blocked_backward_memory_is_one_weight_not_one_per_group():
     memory = fn.lower(x, w).compile().memory_analysis()
     live = memory.temp_size_in_bytes + memory.output_size_in_bytes
     assert live <= 2 * w.nbytes + 4 * x.nbytes + 4 * m * o * 4, (live, w.nbytes)
+
+
+def _moe_kernels(model) -> set[str]:
+    from flax import nnx
+
+    from tx.models.layers.moe import SparseMoE
+
+    return {m.moe_impl for _, m in nnx.iter_graph(model) if isinstance(m, SparseMoE)}
+
+
+def test_the_suites_moe_models_run_ragged_dot_unless_marked(tiny_dirs):
+    """The test processes' CPU MoE pick (tests/helpers.py: ragged_dot, cheap to compile); the model keeps it."""
+    from tx.models.loading import load_model
+
+    assert _moe_kernels(load_model(tiny_dirs["moe"])) == {"ragged_dot"}
+    assert _moe_kernels(load_model(tiny_dirs["moe"], moe_impl="blocked")) == {"blocked"}
+
+
+@pytest.mark.production_moe_kernel
+def test_marked_tests_build_moe_models_with_txs_cpu_pick(tiny_dirs):
+    from tx.models.loading import load_model
+
+    assert _moe_kernels(load_model(tiny_dirs["moe"])) == {"blocked"}
+

@@ -96,6 +96,7 @@ def _random_mlp_lora(cfg, rng, rank):
     return out
 
 
+@pytest.mark.production_moe_kernel
 @pytest.mark.parametrize("name", ["moe", "moe_no_norm_mixed"])
 def test_moe_expert_lora_matches_merged_reference(tiny_dirs, name):
     """Per-expert (and dense-MLP) LoRA, plus attention and LM-head LoRA, equals transformers with the MLP

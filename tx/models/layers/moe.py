@@ -171,10 +171,11 @@ class SparseMoE(nnx.Module):
     ):
         """`platform`: what the model's programs are built for (default: JAX's first device's, resolved here,
         not while tracing)."""
-        resolve_impl(moe_impl)  # an unknown name fails when the model is built
-        self.moe_impl = moe_impl
-        self.shard = shard
         self.platform = platform_of() if platform is None else normalise(platform)
+        # the kernel is fixed when the model is built (an unknown name fails here), so "auto" is part of the
+        # module's static structure: two models built with different picks never share a traced program
+        self.moe_impl = resolve_impl(moe_impl, self.platform)
+        self.shard = shard
         self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.router, self.n_group, self.topk_group = cfg.moe_router, cfg.n_group, cfg.topk_group
         self.routed_scaling_factor = cfg.routed_scaling_factor
