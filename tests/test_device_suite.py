@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import one_device_env
+
 ROOT = Path(__file__).parents[1]
 DEVICE = ROOT / "benchmarks" / "device"
 COMMON_KEYS = {"suite", "step", "workload", "framework", "dry_run", "device", "platform", "jax_version", "shapes",
@@ -42,7 +44,8 @@ def load_suite():
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("device")
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}  # one CPU device, as a GPU box
+    # one CPU device, as a GPU box, with the tests' cheap-compile XLA flags (tests/helpers.py)
+    env = {k: v for k, v in one_device_env().items() if k != "PYTHONPATH"}
     # the JAX compile cache outlives the test (safe to share): a rerun on this machine skips XLA compiles
     env |= {"PYTHON": sys.executable, "TX_DEVICE_WORK": str(out / "work"),
             "JAX_COMPILATION_CACHE_DIR": str(Path(tempfile.gettempdir()) / "tx-device-dry-jax-cache")}
