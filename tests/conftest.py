@@ -27,7 +27,7 @@ from tx.models.tiny import TinySpec, write_tiny_model
 # production default spans all 8 devices; see tests/helpers.py).
 pin_mesh_default()
 # ... and MoE models run ragged_dot on CPU unless a test is marked `production_moe_kernel` (see tests/helpers.py)
-PRODUCTION_CPU_MOE_IMPL = set_cpu_moe_auto(TESTS_CPU_MOE_IMPL)
+set_cpu_moe_auto(TESTS_CPU_MOE_IMPL)
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +36,7 @@ def _cpu_moe_kernel(request):
     if request.node.get_closest_marker("production_moe_kernel") is None:
         yield
         return
-    set_cpu_moe_auto(PRODUCTION_CPU_MOE_IMPL)
+    set_cpu_moe_auto(None)
     try:
         yield
     finally:

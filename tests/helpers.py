@@ -50,18 +50,23 @@ def production_mesh_default():
 
 # The tests' MoE kernel on CPU: most MoE models in the test processes run XLA's `ragged_dot` (GPU's "auto" pick)
 # instead of CPU's "auto" pick, the `blocked` kernel, whose loops make a tiny MoE training step compile ~7x slower
-# (23 s instead of 2 s; the suite's MoE tests took ~2x as long). tests/conftest.py sets this for the session; the
-# tests marked `production_moe_kernel` (pyproject.toml's markers) build theirs with tx's own table, and tests/kernels/test_gmm.py checks
-# `blocked` against numpy. Subprocesses (servers, `tx.run`) are not pinned: they run the production pick.
+# (23 s instead of 2 s; the suite's MoE tests took ~2x as long). tests/conftest.py sets this for the session
+# (`tx.models.layers.moe.MODEL_AUTO_IMPL`; the kernels' own `resolve_impl` is unchanged); the tests marked
+# `production_moe_kernel` (pyproject.toml's markers) build their models with tx's own pick, and
+# tests/kernels/test_gmm.py checks `blocked` against numpy. Subprocesses (servers, `tx.run`, `tx.score`) are not
+# pinned: they run tx's own pick.
 TESTS_CPU_MOE_IMPL = "ragged_dot"
 
 
-def set_cpu_moe_auto(impl: str) -> str:
-    """Make `impl` what moe_impl="auto" runs on CPU in this process (tx.kernels.gmm.AUTO_IMPL); the previous one."""
-    from tx.kernels.gmm import AUTO_IMPL
+def set_cpu_moe_auto(impl: str | None) -> None:
+    """Make `impl` what MoE models built with moe_impl="auto" run on CPU in this process (None: tx's own pick,
+    `blocked`); `tx.kernels.gmm.resolve_impl` itself is not changed."""
+    from tx.models.layers.moe import MODEL_AUTO_IMPL
 
-    before, AUTO_IMPL["cpu"] = AUTO_IMPL["cpu"], impl
-    return before
+    if impl is None:
+        MODEL_AUTO_IMPL.pop("cpu", None)
+    else:
+        MODEL_AUTO_IMPL["cpu"] = impl
 
 
 def cpu_xla_flags(devices: int) -> str:

@@ -111,7 +111,6 @@ def test_blocked_work_follows_rows_not_groups(groups):
     assert windows.sum() <= 2 * m + tile * np.count_nonzero(sizes)
 
 
-@pytest.mark.production_moe_kernel
 def test_resolve_impl_by_platform_and_bad_name():
     assert resolve_impl("auto", "cpu") == "blocked"
     assert resolve_impl("auto", "tpu") == "megablox"

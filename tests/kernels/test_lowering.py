@@ -54,7 +54,6 @@ def test_platform_names():
     assert platform_of() == platform_of(jax.devices()) == platform_of(make_mesh(2, 2, 2, jax.devices())) == "cpu"
 
 
-@pytest.mark.production_moe_kernel
 def test_auto_picks_by_the_platform_passed_in():
     picks = {p: (attn.resolve_attention_impl("auto", p), resolve_impl("auto", p))
              for p in ("cpu", "gpu", "cuda", "tpu")}

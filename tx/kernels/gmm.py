@@ -34,10 +34,6 @@ from tx.kernels.interpret import default_interpret
 from tx.kernels.platform import resolve
 
 GMM_IMPLS = ("auto", "ragged_dot", "blocked", "megablox")
-# What "auto" runs per platform (any other platform: "ragged_dot"). Read at trace time. The tests' processes
-# set "cpu" to "ragged_dot" for most MoE models (tests/conftest.py: its compile is ~7x cheaper on tiny shapes)
-# and keep this table in the tests marked `production_moe_kernel`.
-AUTO_IMPL: dict[str, str] = {"cpu": "blocked", "tpu": "megablox"}
 _MEGABLOX_TILE = 128
 
 
@@ -47,7 +43,7 @@ def resolve_impl(impl: str, platform: str | None = None) -> str:
         raise ValueError(f"gmm impl {impl!r} is not one of {GMM_IMPLS}")
     if impl != "auto":
         return impl
-    return AUTO_IMPL.get(resolve(platform), "ragged_dot")
+    return {"cpu": "blocked", "tpu": "megablox"}.get(resolve(platform), "ragged_dot")
 
 
 def gmm(

@@ -155,6 +155,12 @@ class Experts(nnx.Module):
         self.down_proj = ExpertLinear(e, ff, d, **kw)
 
 
+# What a MoE layer built with moe_impl="auto" runs on a platform listed here, in place of the kernels' own pick
+# (`tx.kernels.gmm.resolve_impl`). Empty in tx; the test processes list "cpu": "ragged_dot" (tests/helpers.py:
+# XLA's GPU pick compiles ~7x cheaper than the CPU's loop kernel on tiny shapes).
+MODEL_AUTO_IMPL: dict[str, str] = {}
+
+
 class SparseMoE(nnx.Module):
     def __init__(
         self,
@@ -172,8 +178,10 @@ class SparseMoE(nnx.Module):
         """`platform`: what the model's programs are built for (default: JAX's first device's, resolved here,
         not while tracing)."""
         self.platform = platform_of() if platform is None else normalise(platform)
-        # the kernel is fixed when the model is built (an unknown name fails here), so "auto" is part of the
+        # the kernel is fixed when the model is built (an unknown name fails here), so the pick is part of the
         # module's static structure: two models built with different picks never share a traced program
+        if moe_impl == "auto":
+            moe_impl = MODEL_AUTO_IMPL.get(self.platform, "auto")
         self.moe_impl = resolve_impl(moe_impl, self.platform)
         self.shard = shard
         self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
