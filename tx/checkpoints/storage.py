@@ -19,10 +19,12 @@ import tarfile
 import tempfile
 import time
 import uuid
+import sys
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-from cloudpathlib import AnyPath, CloudPath
+if TYPE_CHECKING:
+    from cloudpathlib import CloudPath
 
 POINTER = "LATEST"
 TMP_MARK = ".tmp-"  # in the names of files being written (`.<name>.tmp-<id>`)
@@ -39,11 +41,21 @@ def jax_process_count() -> int:
 
 
 def as_path(path: str | os.PathLike) -> Path | CloudPath:
-    return AnyPath(str(path))
+    text = str(path)
+    if "://" not in text:  # local: cloudpathlib (whose S3 client imports boto3) is imported on first remote use
+        return Path(text)
+    from cloudpathlib import AnyPath
+
+    return AnyPath(text)
+
+
+def _is_cloud_path(obj) -> bool:
+    cloudpathlib = sys.modules.get("cloudpathlib")  # never imported: no CloudPath exists in this process
+    return cloudpathlib is not None and isinstance(obj, cloudpathlib.CloudPath)
 
 
 def is_remote(path) -> bool:
-    return isinstance(as_path(path), CloudPath)
+    return _is_cloud_path(as_path(path))
 
 
 @contextlib.contextmanager
@@ -145,7 +157,7 @@ def _write_text_atomic(path, text: str) -> None:
 
 def remove(path) -> None:
     """Delete a checkpoint directory or file, local or remote."""
-    if isinstance(path, CloudPath):
+    if _is_cloud_path(path):
         path.rmtree() if path.is_dir() else path.unlink()
     elif Path(path).is_dir():
         shutil.rmtree(path, ignore_errors=True)
