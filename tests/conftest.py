@@ -83,12 +83,14 @@ def tiny_dir(request, tiny_dirs) -> str:
 
 # The slowest files (minutes each: subprocess hosts, servers, recipes, many mesh shapes) are handed to the xdist
 # workers first; picked up last, one of them would keep a worker busy while the other has nothing left to run.
-SLOW_FILES_FIRST = (
+SLOW_FILES_FIRST = (  # by their cold-cache time in a full run (2026-11-28), longest first
     "distributed/test_multihost_parity.py", "api/test_recipes.py", "api/test_service.py",
-    "models/test_collectives.py", "checkpoints/test_sampler.py", "models/test_deepseek_v3.py",
-    "distributed/test_multihost.py", "backends/test_full.py", "sampling/test_paged_engine.py",
-    "backends/test_jax_backend.py", "rl/test_trainer.py", "backends/test_precompile.py",
-    "checkpoints/test_sampler_faults.py", "sft/test_trainer.py", "rl/test_service.py",
+    "models/test_deepseek_v3.py", "distributed/test_multihost.py", "rl/test_service.py",
+    "backends/test_precompile.py", "backends/test_full.py", "sampling/test_sample.py", "backends/test_lowering.py",
+    "rl/test_trainer.py", "test_runtime.py", "backends/test_jax_backend.py", "sft/test_trainer.py",
+    "models/test_collectives.py", "api/test_hostile.py", "rl/test_trainer_runs.py", "sampling/test_paged_engine.py",
+    "checkpoints/test_sampler.py", "models/test_qwen3_parity.py", "test_device_suite.py",
+    "sampling/test_continuous.py", "api/test_continuous_sdk.py", "checkpoints/test_sampler_faults.py",
 )
 
 
