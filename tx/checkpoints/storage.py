@@ -15,11 +15,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import tarfile
 import tempfile
 import time
 import uuid
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
