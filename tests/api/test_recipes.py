@@ -82,15 +82,17 @@ def renderer(lab: Lab):
     return renderers.get_renderer(model_info.get_recommended_renderer_name(MODEL), get_tokenizer(str(lab.run_dir / MODEL)))
 
 
-def warm_start(lab: Lab, conversations: list[list[dict]], steps: int = 30, lr: float = 1e-2):
-    """SFT a fresh rank-8 adapter on the last assistant turn of each conversation; returns its TrainingClient."""
+def warm_start(lab: Lab, conversations: list[list[dict]], steps: int = 30, lr: float = 1e-2, seed: int = 1):
+    """SFT a fresh rank-8 adapter on the last assistant turn of each conversation; returns its TrainingClient.
+    The adapter's initialisation is seeded, so the warm start is the same in every run (unseeded, it varied:
+    in one CI run math_rl's warm-started policy sampled only malformed answers)."""
     from tinker import types
     from tinker_cookbook.renderers import TrainOnWhat
     from tinker_cookbook.supervised.data import conversation_to_datum
 
     rend = renderer(lab)
     data = [conversation_to_datum(c, rend, None, TrainOnWhat.LAST_ASSISTANT_MESSAGE) for c in conversations]
-    client = service(lab.server.url).create_lora_training_client(base_model=MODEL, rank=8).result()
+    client = service(lab.server.url).create_lora_training_client(base_model=MODEL, rank=8, seed=seed).result()
     for _ in range(steps):
         fb = client.forward_backward(data, "cross_entropy")
         client.optim_step(types.AdamParams(learning_rate=lr)).result()
