@@ -168,8 +168,9 @@ def arithmetic_problems(lab: Lab, n_batches: int) -> list[list[dict]]:
 
 
 def test_math_rl_arithmetic_from_warm_start(lab):
-    # 60 steps: the 2 problems' answers memorised firmly enough that 4 samples at T=1 reliably hold a correct one
-    state = warm_start(lab, arithmetic_problems(lab, 2), steps=60).save_state("arith-warm").result().path
+    # 60 steps from seed 3: the 2 problems' answers memorised firmly enough that 4 samples at T=1 reliably hold a
+    # correct one (sampled 16 times each after this warm start: 16 + 16 and 16 + 15 correct; seed 1: 10 + 10)
+    state = warm_start(lab, arithmetic_problems(lab, 2), steps=60, seed=3).save_state("arith-warm").result().path
     log_dir = lab.root / "math_rl"
     _, moved = lab.run("math_rl", "tinker_cookbook.recipes.math_rl.train", f"base_url={lab.server.url}",
                        f"model_name={MODEL}", "env=arithmetic", "group_size=2", "groups_per_batch=1",
