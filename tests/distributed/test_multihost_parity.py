@@ -1,6 +1,7 @@
 """Two real processes on 127.0.0.1 (4 CPU devices each, gloo) against one process with 8 devices: the same
-results for every backend method, LoRA (Qwen3 dense, and DeepSeek-V3, whose MoE layers carry the expert
-parallelism: experts over ep, routing and the expert all-reduce per device) and full training (dense). Llama 3 is
+results for every backend method with LoRA on Qwen3 dense, for the calls that run the model with LoRA on
+DeepSeek-V3 (whose MoE layers carry the expert parallelism: experts over ep, routing and the expert all-reduce
+per device), and for full training (dense). Llama 3 is
 not run here: what it changes (RoPE scaling, no q/k norms) is per-device arithmetic that the dense run's
 collectives and the one-process mesh tests of tests/models/test_llama.py already cover."""
 
