@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from transformers import AutoModelForCausalLM
 
 from tests.helpers import hf_logprobs, random_batch
-from tests.models.test_qwen3_parity import logprobs
+from tests.models.jit_logprobs import logprobs
 from tx.checkpoints import full
 from tx.checkpoints.training import CheckpointError, base_signature
 from tx.models.config import LoraSlots

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.helpers import hf_logprobs, random_batch
-from tests.models.test_qwen3_parity import logprobs
+from tests.models.jit_logprobs import logprobs
 from tx.models.loading import CheckpointError, load_model
 from tx.models.safetensors_io import SafetensorsDir, save_file
 from tx.models.tiny import TinySpec, write_tiny_model

@@ -15,7 +15,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from tests.helpers import peft_weights
-from tests.models.test_qwen3_parity import logprobs
+from tests.models.jit_logprobs import logprobs
 from tx.models.adapters import set_adapter_weights
 from tx.models.config import LoraSlots
 from tx.models.loading import load_model

@@ -8,7 +8,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from tests.helpers import hf_logprobs, peft_weights, random_batch
-from tests.models.test_qwen3_parity import TOL, logprobs
+from tests.models.jit_logprobs import logprobs
+from tests.models.test_qwen3_parity import TOL
 from tx.models.adapters import clear_adapter, get_adapter_weights, init_adapter, lora_modules, set_adapter_weights
 from tx.models.config import LoraSlots
 from tx.models.loading import load_model

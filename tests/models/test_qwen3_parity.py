@@ -8,16 +8,11 @@ from flax import nnx
 from transformers import AutoModelForCausalLM
 
 from tests.helpers import hf_logprobs, random_batch
+from tests.models.jit_logprobs import logprobs
 from tx.models.config import LoraSlots
 from tx.models.loading import load_model
 
 TOL = 1e-4  # max abs difference of per-token log-probs, float32
-
-
-@nnx.jit(static_argnames="chunk_size")
-def logprobs(model, ids, mask, adapters, targets, chunk_size=16):
-    hidden = model(ids, mask, adapters)
-    return model.target_logprobs(hidden, targets, adapters, chunk_size=chunk_size)
 
 
 def test_padded_batch_matches_transformers(tiny_dir):

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tests.helpers import random_batch
-from tests.models.test_qwen3_parity import logprobs
+from tests.models.jit_logprobs import logprobs
 from tx.models.adapters import init_adapter, lora_modules
 from tx.models.config import LoraSlots
 from tx.models.loading import load_model
