@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 import torch
 from flax import nnx
@@ -112,7 +113,7 @@ def test_crash_mid_save_keeps_the_previous_version(tiny_dirs, tmp_path, monkeypa
     params, opt_state = _trained(tiny_dirs["dense"], mesh, steps=1)
     full.save_full_checkpoint(tmp_path / "ckpt", params, opt_state, 1, {})
     later_params, later_opt = _trained(tiny_dirs["dense"], mesh, steps=3)
-    real_save = full.ocp.StandardCheckpointer.save
+    real_save = ocp.StandardCheckpointer.save
 
     def save_then_die(self, directory, *args, **kwargs):
         real_save(self, directory, *args, **kwargs)
@@ -120,7 +121,7 @@ def test_crash_mid_save_keeps_the_previous_version(tiny_dirs, tmp_path, monkeypa
         if directory.name == "opt_state":  # weights written, moments written, no metadata or pointer yet
             raise KeyboardInterrupt("injected crash")
 
-    monkeypatch.setattr(full.ocp.StandardCheckpointer, "save", save_then_die)
+    monkeypatch.setattr(ocp.StandardCheckpointer, "save", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         full.save_full_checkpoint(tmp_path / "ckpt", later_params, later_opt, 3, {})
     monkeypatch.undo()

@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 import tx
@@ -70,14 +71,14 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tiny_dirs, tmp_path, monke
     good = slot_weights(backend, "a")
     _train(backend, "a", 2, seed=10)
 
-    real_save = training.ocp.StandardCheckpointer.save
+    real_save = ocp.StandardCheckpointer.save
 
     def save_then_die(self, *args, **kwargs):
         real_save(self, *args, **kwargs)  # the array files are written...
         self.wait_until_finished()
         raise KeyboardInterrupt("injected crash before metadata and pointer")
 
-    monkeypatch.setattr(training.ocp.StandardCheckpointer, "save", save_then_die)
+    monkeypatch.setattr(ocp.StandardCheckpointer, "save", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         backend.save_checkpoint(tmp_path / "ckpt", "a")
     monkeypatch.undo()

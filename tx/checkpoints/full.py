@@ -31,13 +31,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 
 from tx import ranks
 from tx.version import __version__
 from tx.checkpoints import storage
-from tx.checkpoints.training import CheckpointError, _flatten, base_signature, read_metadata
+from tx.checkpoints.training import (CheckpointError, _flatten, base_signature, read_metadata,
+                                     standard_checkpointer)
 from tx.checkpoints.hf_files import SIDE_FILES, copy_files
 from tx.models.config import ModelConfig
 from tx.models.layers.lora import LoraA, LoraB
@@ -83,7 +83,7 @@ def save_full_checkpoint(path, params_state: Any, opt_state: Any, step: int, met
                         for g, d in groups.items()}}
     primary = ranks.is_primary_writer()  # orbax's primary host (tx.ranks)
     with storage.write_dir(path, version=version, primary=primary) as local:
-        checkpointer = ocp.StandardCheckpointer()
+        checkpointer = standard_checkpointer()
         for group, arrays in groups.items():
             if arrays:  # an empty optimizer state (plain SGD) has nothing to write
                 checkpointer.save((local / group).absolute(), arrays)
@@ -137,7 +137,7 @@ def load_full_checkpoint(path, params_target: Any, opt_target: Any | None = None
     with storage.read_dir(path) as local:
         for group, target in abstract.items():
             try:
-                restored[group] = ocp.StandardCheckpointer().restore((local / group).absolute(), target) if target else {}
+                restored[group] = standard_checkpointer().restore((local / group).absolute(), target) if target else {}
             except Exception as e:  # orbax raises many types for damaged files
                 raise CheckpointError(f"checkpoint at {path} could not be read ({group}): {str(e)[:300]}") from e
 

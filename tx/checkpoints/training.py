@@ -13,7 +13,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tx import ranks
@@ -29,6 +28,14 @@ BASE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size",
 
 class CheckpointError(ValueError):
     """A checkpoint that is corrupt or does not fit this model."""
+
+
+def standard_checkpointer() -> Any:
+    """orbax's StandardCheckpointer, orbax imported on first use: importing it costs every process that imports tx
+    ~0.2 s (servers, hosts, CLIs), and most never save or load a training checkpoint."""
+    import orbax.checkpoint as ocp
+
+    return ocp.StandardCheckpointer()
 
 
 def _flatten(tree: Any) -> dict[str, Any]:
@@ -67,7 +74,7 @@ def save(path, *, weights: Any, scales: Any, opt_state: Any, rank: int, metadata
             "shapes": {g: {k: list(v.shape) for k, v in d.items()} for g, d in arrays.items()}, **metadata}
     primary = ranks.is_primary_writer()  # orbax's primary host (tx.ranks)
     with storage.write_dir(path, version=version, primary=primary) as local:
-        checkpointer = ocp.StandardCheckpointer()
+        checkpointer = standard_checkpointer()
         checkpointer.save((local / "state").absolute(), arrays)
         checkpointer.wait_until_finished()
         if primary:
@@ -112,7 +119,7 @@ def load(path, *, weights: Any, scales: Any, opt_state: Any, mesh: Mesh, load_op
             target[group][k] = jax.ShapeDtypeStruct(tuple(want), t.dtype, sharding=replicated)
     with storage.read_dir(path) as local:
         try:
-            restored = ocp.StandardCheckpointer().restore((local / "state").absolute(), target)
+            restored = standard_checkpointer().restore((local / "state").absolute(), target)
         except Exception as e:  # noqa: BLE001 - orbax raises many types for damaged files
             raise CheckpointError(f"checkpoint at {path} could not be read: {str(e)[:300]}") from e
     if not load_optimizer:
