@@ -75,9 +75,10 @@ def cpu_xla_flags(devices: int) -> str:
     of the MLIR fusion emitters (`--xla_cpu_use_fusion_emitters=false`: a tiny model's training step compiles
     in 3.1 s instead of 6.5 s, and runs as fast; jaxlib 0.11.2 no longer knows the flag and would abort on it),
     LLVM's expensive passes skipped and each program's code generated on one thread (the test processes already
-    share the 2 cores): tests/rl/test_trainer.py + tests/api/test_recipes.py 103 -> 92 s, tests/backends/
-    test_jax_backend.py 51 -> 44 s. The tests check numbers and programs, not speed (the collective counts of
-    tests/models/test_collectives.py are the same either way)."""
+    share the 2 cores): alone, tests/rl/test_trainer.py + tests/api/test_recipes.py 103 -> 92 s and tests/backends/
+    test_jax_backend.py 51 -> 44 s; the whole suite's time moved within run-to-run noise. The tests check
+    numbers and programs, not speed (the collective counts of tests/models/test_collectives.py are the same
+    either way)."""
     flags = (f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
              " --xla_llvm_disable_expensive_passes=true --xla_cpu_parallel_codegen_split_count=1")
     jaxlib = tuple(int(p) for p in re.findall(r"\d+", importlib.metadata.version("jaxlib"))[:3])
