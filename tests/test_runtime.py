@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tests.helpers import one_device_env
 from tx.backends.batching import model_pass_shapes
-from tx.backends.precompile import sample_slot_counts
+from tx.sampling.paged_calls import slot_counts
 
 ROOT = Path(__file__).parents[1]
 
@@ -36,7 +36,7 @@ def test_second_process_reads_the_programs_of_the_first(tmp_path):
     assert "precompiled" in log
     # grads + accumulate per shape, with and without the LM head's LoRA delta
     assert first["compiles"]["forward_backward"] == 2 * 2 * len(model_pass_shapes(32, 32, 0, 1))
-    assert first["compiles"]["sample_decode"] == len(sample_slot_counts(2, 1))
+    assert first["compiles"]["sample_decode"] == len(slot_counts(2, 1))
     folders = list(cache.iterdir())
     assert len(folders) == 1 and folders[0].name.startswith("jax-") and folders[0].name.endswith("-cpu"), folders
     written = [p for p in folders[0].iterdir() if p.name.endswith("-cache")]

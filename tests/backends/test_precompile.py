@@ -9,8 +9,8 @@ import pytest
 import tx
 from tx import types
 from tx.backends.batching import micro_batch_shape, model_pass_shapes, plan_micro_batches
-from tx.backends.precompile import SCRATCH, decode_block_prompts, precompile, prefill_prompt_lengths, sample_slot_counts
-from tx.sampling.paged_calls import prefill_row_count
+from tx.backends.precompile import SCRATCH, decode_block_prompts, precompile, prefill_prompt_lengths
+from tx.sampling.paged_calls import prefill_row_count, slot_counts, slot_quarters
 
 MAX_SEQ, BUDGET = 24, 32  # 3 shapes: 2 x 16 and 1 x 16, 1 x 24
 
@@ -42,10 +42,17 @@ def test_unbounded_grid_refused():
         model_pass_shapes(64, 0, 0, 1)
 
 
-def test_sample_slot_counts():
-    assert sample_slot_counts(64, 1) == [1, 2, 4, 8, 16, 32, 64]
-    assert sample_slot_counts(48, 1) == [1, 2, 4, 8, 16, 32, 48]
-    assert sample_slot_counts(8, 4) == [4, 8]
+def test_slot_counts():
+    assert slot_counts(64, 1) == [1, 2, 4, 8, 16, 32, 64]
+    assert slot_counts(48, 1) == [1, 2, 4, 8, 16, 32, 48]
+    assert slot_counts(8, 4) == [4, 8]
+    # with three quarters of a power of 2 above 32 rows (the CPU's default)
+    assert slot_counts(64, 1, quarters=True) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert slot_counts(40, 1, quarters=True) == [1, 2, 4, 8, 16, 32, 40]
+    assert slot_counts(512, 1, quarters=True) == [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+    assert slot_counts(100, 8, quarters=True) == [8, 16, 32, 48, 64, 96, 104]  # 100 rounded up to the fsdp size
+    assert [slot_quarters(s, p) for s, p in [("auto", "cpu"), ("auto", "cuda"), ("auto", "tpu"), ("pow2", "cpu"),
+                                              ("three_quarters", "cuda")]] == [True, False, False, False, True]
 
 
 @pytest.mark.parametrize("max_seq,page,kv_block", [(24, 4, 8), (96, 4, 8), (4096, 16, 64), (100, 16, 16)])
@@ -75,7 +82,7 @@ def test_prefill_prompt_lengths_reach_every_row_count(max_seq, chunk, rows, slot
     reachable = {prefill_row_count(w, rows, fsdp) for w in range(1, slots * per_prompt + 1)}
     sets = prefill_prompt_lengths(max_seq, chunk, rows, slots, fsdp)
     assert all(len(lengths) <= slots and all(2 <= n <= max_seq - 2 for n in lengths) for lengths in sets)
-    covered = {prefill_row_count(n, rows, fsdp) for n in sample_slot_counts(slots, fsdp)}
+    covered = {prefill_row_count(n, rows, fsdp) for n in slot_counts(slots, fsdp)}
     covered |= {prefill_row_count(sum(chunks(n) for n in lengths), rows, fsdp) for lengths in sets}
     assert covered == reachable
 

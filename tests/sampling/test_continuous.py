@@ -281,3 +281,28 @@ def test_a_long_call_ends_when_half_the_slots_could_go(tiny_dirs):
     all_eight = [bound for n, bound in calls if n == 8]
     assert all_eight and sum(all_eight) <= 10, calls  # 8 slots only until the short rows are done
     assert max(bound for _, bound in calls) > 4, calls  # the rest still ran in long calls
+
+
+def test_a_shrinking_batch_steps_down_through_three_quarter_slot_counts(tiny_dirs, monkeypatch):
+    """Above 32 rows the decode slot counts include three quarters of a power of two: 60 live rows run on 64
+    slots only until the 20 short rows are done, then the 40 left run on 48 slots, not on 64 to the end.
+    Tokens are those of each request alone."""
+    import tx.sampling.paged_calls as paged_calls
+
+    cfg = BASE | PAGED | {"max_num_seqs": 64, "prefill_rows": 16, "max_decode_steps_per_call": 64}
+    b = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**cfg))
+    requests = [(f"r{i}", "", [(PROMPTS[i % 4], SP(max_tokens=6 if i < 5 else 20, temperature=1.0, seed=i,
+                                                   stop=[]))] * 4, False, 0) for i in range(15)]
+    want = alone(b, [requests[0], requests[14]])
+    seen, count = [], paged_calls.slot_count
+
+    def spy(live, *args):
+        seen.append((live, count(live, *args)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(paged_calls, "slot_count", spy)
+    out = drive(b, [sample_batch(requests)])
+    for request_id in want:
+        same(want[request_id], out[request_id])
+    assert (60, 64) in seen and (40, 48) in seen, seen
+    assert all(slots < 64 for live, slots in seen if live <= 48), seen

@@ -221,7 +221,7 @@ def test_topk_sample_logprobs_and_programs_stay_bounded(engines):
         paged.sample(sample_batch([("v", "a", [(PROMPTS[1], SP(max_tokens=m, temperature=0.5, seed=m))] * 3,
                                     False, 0)]))
     grown = {k: v - before.get(k, 0) for k, v in paged.metrics.compiles.items() if v != before.get(k, 0)}
-    assert set(grown) <= {"sample_decode"}, grown  # slot buckets only (powers of 2 of live rows)
+    assert set(grown) <= {"sample_decode"}, grown  # slot buckets only (`paged_calls.slot_count`)
 
 
 def test_prefix_cache_reuses_prompts_and_conversations_until_weights_change(engines):

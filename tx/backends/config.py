@@ -103,7 +103,7 @@ class JaxBackendConfig(BaseModel):
     max_decode_steps_per_call: int = Field(64, ge=1, description="paged engine: decode steps per device call when "
                                            "no request waits (one on-device loop that ends early once every row has "
                                            "stopped, and sooner where enough rows reach their max_tokens that the rest "
-                                           "fit half the slots; the bound is traced, so both sizes share one program)")
+                                           "fit a smaller slot count; the bound is traced, so both sizes share one program)")
     paged_attention_impl: Literal["blocked", "reference", "pallas"] = Field(
         "blocked", description="paged engine: attention over pages ('blocked': XLA online softmax over KV blocks; "
         "'reference' gathers every page: the oracle; 'pallas': the ragged paged attention Pallas kernel, for TPU, "
@@ -115,6 +115,12 @@ class JaxBackendConfig(BaseModel):
         "longest row reaches by the call's end, chosen by the host and rounded up to a power of two (a loop of "
         "known count; one decode program per bucket; up to 2x the KV reads); 'auto': bucketed on GPUs, dynamic "
         "elsewhere. Prefill calls always find the count on the device")
+    decode_slot_counts: Literal["auto", "pow2", "three_quarters"] = Field(
+        "auto", description="paged engine: the slot counts a decode call runs on (its live rows rounded up; every "
+        "slot costs its compute until the call returns). 'pow2': powers of 2; 'three_quarters': also 3/4 of a "
+        "power of 2 above 32 (48, 96, 192, 384: less padding as a batch shrinks, one more decode program per "
+        "octave); 'auto': three_quarters on CPU, where decode is compute-bound (RL sampling, 512 rows: 1.2x "
+        "tokens/s), pow2 on accelerators, where a decode step at these batches mostly reads weights")
     paged_decode_layers: Literal["auto", "scan", "unrolled"] = Field(
         "auto", description="paged engine: how a decode call runs the layers. 'scan': `lax.scan` over the "
         "stacked weights, which slices every layer's weights out of the stack at every step (a copy per weight "

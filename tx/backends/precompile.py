@@ -32,17 +32,12 @@ from tqdm import tqdm
 
 from tx import types
 from tx.backends.batching import model_pass_shapes
-from tx.sampling.paged_calls import (block_bucket, kv_blocks_bucketed, prefill_row_count, slot_count, table_blocks,
-                                    table_width)
+from tx.sampling.paged_calls import (block_bucket, kv_blocks_bucketed, prefill_row_count, slot_counts, slot_quarters,
+                                    table_blocks, table_width)
 
 logger = logging.getLogger(__name__)
 
 SCRATCH = "__precompile__"
-
-
-def sample_slot_counts(max_num_seqs: int, multiple: int) -> list[int]:
-    """Every decode slot count of the paged engine (`paged_calls.slot_count` of 1 .. max_num_seqs live rows)."""
-    return sorted({slot_count(n, max_num_seqs, multiple) for n in range(1, max_num_seqs + 1)})
 
 
 def prefill_prompt_lengths(max_seq_len: int, chunk: int, prefill_rows: int, max_num_seqs: int, fsdp: int
@@ -53,7 +48,8 @@ def prefill_prompt_lengths(max_seq_len: int, chunk: int, prefill_rows: int, max_
     one with 2 new tokens (max_seq_len - 2 tokens; its last token is not prefilled)."""
     per_prompt = max(1, (max_seq_len - 4) // chunk + 1)
     most = max_num_seqs * per_prompt
-    reached = {prefill_row_count(n, prefill_rows, fsdp) for n in sample_slot_counts(max_num_seqs, fsdp)}
+    # powers of 2 suffice: a 3/4 slot count's prefill rows round up to the same power of 2 as the next count
+    reached = {prefill_row_count(n, prefill_rows, fsdp) for n in slot_counts(max_num_seqs, fsdp)}
     wanted: dict[int, int] = {}  # row count -> the most chunks that take it
     for w in range(1, most + 1):
         wanted[prefill_row_count(w, prefill_rows, fsdp)] = w
@@ -120,7 +116,7 @@ def precompile(backend: Any, impl: Any, loss_fns: tuple[str, ...] = ("cross_entr
     cfg, fsdp = impl.config, impl.mesh.shape["fsdp"]
     vocab = impl.model.config.vocab_size
     shapes = model_pass_shapes(impl.max_seq_len, cfg.train_micro_batch_tokens, cfg.train_micro_batch_size, fsdp)
-    slot_counts = sample_slot_counts(cfg.max_num_seqs, fsdp)
+    counts = slot_counts(cfg.max_num_seqs, fsdp, slot_quarters(cfg.decode_slot_counts, impl.model.platform))
     bucketed = cfg.paged_attention_impl == "blocked" and kv_blocks_bucketed(cfg.paged_kv_blocks, impl.model.platform)
     block_prompts = decode_block_prompts(impl.max_seq_len, cfg.kv_page_size, cfg.kv_block) if bucketed else []
     prefill_sets = prefill_prompt_lengths(impl.max_seq_len, cfg.prefill_chunk, cfg.prefill_rows, cfg.max_num_seqs,
@@ -145,19 +141,19 @@ def precompile(backend: Any, impl: Any, loss_fns: tuple[str, ...] = ("cross_entr
                     f"forward_backward {loss} at {rows} x {seq}")
         train_s = time.perf_counter() - start
         prompt_len = max(2, min(cfg.prefill_chunk, impl.max_seq_len - 2))
-        for n in tqdm(slot_counts, desc="precompile sampling", disable=None):
+        for n in tqdm(counts, desc="precompile sampling", disable=None):
             _failed(backend.sample(_sample_batch([prompt_len] * n, vocab, rng)), f"sampling {n} rows")
         for lengths in tqdm(prefill_sets, desc="precompile prefill rows", disable=None):
             _failed(backend.sample(_sample_batch(lengths, vocab, rng)), f"prefilling prompts of {lengths} tokens")
         prompts = [rng.integers(3, vocab, length).tolist() for length in block_prompts]
-        work = [(n, prompt) for prompt in prompts for n in slot_counts]
+        work = [(n, prompt) for prompt in prompts for n in counts]
         for n, prompt in tqdm(work, desc="precompile decode block buckets", disable=None):
             _failed(backend.sample(_one_prompt_batch(n, prompt, cfg.max_num_samples)),
                     f"sampling {n} rows of a {len(prompt)}-token prompt")
     finally:
         backend.delete_model(SCRATCH)
     compiled = {k: v - before.get(k, 0) for k, v in impl.metrics.compiles.items() if v != before.get(k, 0)}
-    summary = {"forward_backward_shapes": len(shapes), "loss_fns": list(loss_fns), "sample_slot_counts": slot_counts,
+    summary = {"forward_backward_shapes": len(shapes), "loss_fns": list(loss_fns), "sample_slot_counts": counts,
                "prefill_prompt_lengths": prefill_sets, "decode_block_prompts": block_prompts,
                "compiled": compiled, "train_s": round(train_s, 1), "total_s": round(time.perf_counter() - start, 1)}
     logger.info("precompiled %s", summary)

@@ -14,7 +14,7 @@ run; whether they fit and which pages they get, `tx.sampling.kv_cache.KVCacheMan
   completes free slots at once (their first token comes from the same iteration), and runs one decode call
   over the live rows: of up to `decode_steps_per_call` steps while requests wait to join, else up to
   `max_decode_steps_per_call` (one device loop either way, ending early once every row has stopped, and cut
-  where enough rows reach their max_tokens that the rest fit half the slots). A row
+  where enough rows reach their max_tokens that the rest fit a smaller slot count). A row
   leaves its slot the call it stops, its pages are freed, and the next waiting row takes the slot.
 - **Pages on demand, preemption by recompute.** A row holds pages for the tokens it has written plus the
   next call's. Before a decode call every live row, oldest first, gets the pages that call can write;
@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tx.sampling.kv_cache import KVCacheManager, pool_pages
-from tx.sampling.paged_calls import PagedDevice, free_memory_bytes, slot_count
+from tx.sampling.paged_calls import PagedDevice, free_memory_bytes
 from tx.sampling.paged_rows import Group, Live, Row, RowResult
 from tx.sampling.requests import SampleRow
 
@@ -183,7 +183,7 @@ class PagedEngine:
         free pages cover the live rows' longer call (fewer returns to the host), else `decode_steps_per_call`
         (a waiting request gets a slot sooner; no row is preempted for the longer call). A longer call also
         ends (at `decode_steps_per_call` at the least) once enough rows will have reached their max_tokens
-        that the next call can run on half the slots: until it returns, every slot costs its compute."""
+        that the next call can run on fewer slots: until it returns, every slot costs its compute."""
         if self.waiting or self.prefilling or self.ready:
             return
         self.call_steps = max(self.steps, min(self.max_steps, self._steps_until_fewer_slots()))
@@ -192,11 +192,13 @@ class PagedEngine:
 
     def _steps_until_fewer_slots(self) -> int:
         """Decode steps after which so many live rows have written their last token (their max_tokens; EOS
-        and stops come sooner, unforeseen) that the rest fit half of this call's slots."""
+        and stops come sooner, unforeseen) that the rest fit the next smaller slot count."""
         n = len(self.live)
-        keep = slot_count(n, self.slots, self.device.fsdp) // 2
-        if not self.live or n <= keep or keep < self.device.fsdp:  # cannot shrink: the fsdp size is the floor
+        s = self.device.slot_count(n)
+        smaller = [c for c in self.device.slot_counts if c < s]
+        if not self.live or not smaller:  # cannot shrink: the smallest count (at least the fsdp size)
             return self.max_steps
+        keep = smaller[-1]
         left = sorted(lv.last - lv.pos + 1 for lv in self.live)  # steps each row can still take
         return left[n - keep - 1]
 

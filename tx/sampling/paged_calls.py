@@ -3,9 +3,9 @@ inputs of `prefill_chunk` and `decode_steps` (tx/sampling/paged_step.py), then t
 
 `tx/sampling/continuous.py` decides which prompts and rows run (pages, slots, preemption); this module
 only turns its `Group`s (prompts being prefilled) and `Live` rows (decode slots) into arrays. Few shapes,
-so few programs: prefill rows go in powers of 2 up to `prefill_rows`, decode slots in powers of 2 up to
-`max_num_seqs` (both rounded up to the fsdp size: rows are split over its devices), stop lists in powers of
-2 >= 8, and top-k has one width.
+so few programs: prefill rows go in powers of 2 up to `prefill_rows`, decode slots in powers of 2 (on CPU, above
+32, also three quarters of one) up to `max_num_seqs` (both rounded up to the fsdp size: rows are split over
+its devices), stop lists in powers of 2 >= 8, and top-k has one width.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tx.runtime import pow2
+from tx.runtime import bucket_length, pow2
 from tx.sampling.kv_cache import table_width  # noqa: F401  (also read from here by tx/backends/precompile.py)
 from tx.sampling.layer_copies import LayerCopies
 from tx.sampling.paged_step import PrefillInputs, SlotInputs, decode_steps, prefill_chunk
@@ -30,11 +30,30 @@ if TYPE_CHECKING:
     from tx.sampling.text import TextCodec
 
 
-def slot_count(live: int, max_num_seqs: int, fsdp: int) -> int:
-    """Decode slots of a call with `live` rows: a power of two (at most `max_num_seqs`), rounded up to the
-    fsdp size."""
-    s = min(pow2(live), max_num_seqs)
+SLOT_QUARTERS_FROM = 32  # slot counts above this also come in 3/4 of a power of two
+
+
+def slot_count(live: int, max_num_seqs: int, fsdp: int, quarters: bool = False) -> int:
+    """Decode slots of a call with `live` rows: a power of two, with `quarters` above `SLOT_QUARTERS_FROM` also
+    three quarters of one (48, 96, 192, 384, ...), at most `max_num_seqs`, rounded up to the fsdp size. Every
+    slot costs its compute until the call returns: where decode is compute-bound (`slot_quarters`) the 3/4
+    steps cut the padded slots of a shrinking batch (an RL rollout's rows ending at different max_tokens) from
+    up to half to up to a third, for one more program per octave where batches are that large."""
+    s = bucket_length(live, SLOT_QUARTERS_FROM) if quarters and live > SLOT_QUARTERS_FROM else pow2(live)
+    s = min(s, max_num_seqs)
     return -(-s // fsdp) * fsdp
+
+
+def slot_counts(max_num_seqs: int, fsdp: int, quarters: bool = False) -> list[int]:
+    """Every decode slot count `slot_count` gives for 1 .. max_num_seqs live rows, ascending."""
+    return sorted({slot_count(n, max_num_seqs, fsdp, quarters) for n in range(1, max_num_seqs + 1)})
+
+
+def slot_quarters(setting: str, platform: str) -> bool:
+    """Whether decode slot counts include three quarters of a power of two (`decode_slot_counts`; "auto": on
+    CPU, where a decode step's matmuls are compute-bound from a few dozen rows, so a padded slot costs its
+    FLOPs; an accelerator's decode step at these batches mostly reads weights, and each count is a compile)."""
+    return setting == "three_quarters" or (setting == "auto" and platform == "cpu")
 
 
 def prefill_row_count(wanted: int, prefill_rows: int, fsdp: int) -> int:
@@ -102,6 +121,8 @@ class PagedDevice:
         self.max_blocks = table_blocks(self.width, self.page, self.kv_block)
         platform = source.model.platform
         self.bucketed = self.impl == "blocked" and kv_blocks_bucketed(cfg.paged_kv_blocks, platform)
+        self.quarters = slot_quarters(cfg.decode_slot_counts, platform)
+        self.slot_counts = slot_counts(self.slots, self.fsdp, self.quarters)  # a decode call's, ascending
         self.topk_width = pow2(cfg.max_topk_prompt_logprobs)  # topk_sample_logprobs are bounded by it
         self.stats = stats
         layer_bytes = source.model.layer_bytes()
@@ -114,6 +135,10 @@ class PagedDevice:
         self.layer_copies = LayerCopies() if self.unrolled else None
         self.pools: list | None = None
         self.sequences: dict[str, list[int]] = {}  # stop string -> its device sequence ([]: host check only)
+
+    def slot_count(self, live: int) -> int:
+        """The decode slots of a call with `live` rows (`slot_count`)."""
+        return slot_count(live, self.slots, self.fsdp, self.quarters)
 
     def _pools(self) -> list:
         if self.pools is None:
@@ -177,7 +202,7 @@ class PagedDevice:
         """One call of up to `bound` steps (<= `max_decode_steps_per_call`: a traced value, one program) for
         the live rows; appends what each sampled to its result and advances its position. Whether each row
         ended."""
-        s = slot_count(len(live), self.slots, self.fsdp)
+        s = self.slot_count(len(live))
         topk = self.topk_width if any(lv.row.spec.options.topk_sample_logprobs for lv in live) else 0
         stop_width = max(8, pow2(max(len(lv.row.spec.stop_tokens) for lv in live)))
         # the repetition penalty's token sets, sent only when a row uses one (a program of its own)

@@ -28,6 +28,7 @@ class SamplingSettings(Protocol):
     paged_attention_impl: str
     paged_kv_blocks: str
     paged_decode_layers: str
+    decode_slot_counts: str
 
 
 @runtime_checkable
