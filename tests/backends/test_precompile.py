@@ -113,6 +113,22 @@ def test_precompile_covers_the_decode_block_buckets(tiny_dirs):
     assert backend.metrics.compiles == compiled, "a program compiled after --precompile"
 
 
+def test_precompile_covers_the_three_quarter_slot_counts(tiny_dirs):
+    """On CPU (`decode_slot_counts` "auto") 33-48 live rows decode on 48 slots: --precompile compiles that count
+    too, so a 40-row call after it compiles nothing. (prefill_rows >= max_num_seqs, as by default: precompile's
+    n-row calls need all n prompts admitted in one prefill call to decode on n slots.)"""
+    backend = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(
+        max_lora_adapters=3, max_lora_rank=4, max_seq_len=MAX_SEQ, max_num_seqs=64, prefill_rows=64, prefill_chunk=8,
+        kv_page_size=4, kv_block=8, max_num_samples=1))
+    backend.create_model("tenant", types.LoraConfig(rank=4, seed=1))
+    summary = precompile(backend, backend, loss_fns=())
+    assert summary["sample_slot_counts"] == [1, 2, 4, 8, 16, 32, 48, 64]
+    compiled = dict(backend.metrics.compiles)
+    res = backend.sample(_sample(40, "tenant", np.random.default_rng(3)))
+    assert all(isinstance(r, types.SampleOutput) for r in res.values()), res
+    assert backend.metrics.compiles == compiled, "a program compiled after --precompile"
+
+
 def _train(rows_lengths: list[int], model_id: str, rng) -> types.PreparedModelPassBatch:
     ids = [rng.integers(0, 64, n).tolist() for n in rows_lengths]
     k = len(ids)
