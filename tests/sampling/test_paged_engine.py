@@ -201,6 +201,37 @@ def test_unrolled_decode_follows_weight_changes(tiny_dirs, engines):
     assert tokens[0] != tokens[1]  # the new weights change what is sampled: stale copies could not pass
 
 
+def test_small_prefill_calls_run_on_the_layer_copies(tiny_dirs, engines, monkeypatch):
+    """Prefill calls of at most `PREFILL_UNROLLED_TOKENS` tokens run unrolled on the copies decode keeps (a scan
+    would slice every layer's weights per call); larger ones scan. The tokens are the scanning engine's, and
+    those of the model's plain forward (the oracle)."""
+    from tx.sampling import paged_calls
+
+    _, engine = engines
+    slot = engine.models["a"].adapter_index
+    requests = requests_mixed()
+    runs, default = {}, paged_calls.PREFILL_UNROLLED_TOKENS
+    for limit in (default, 0):  # this file's prefill calls: at most 2 x 8 tokens
+        monkeypatch.setattr(paged_calls, "PREFILL_UNROLLED_TOKENS", limit)
+        b = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **PAGED, paged_decode_layers="unrolled"))
+        b.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
+        set_adapter_weights(b.model, slot, get_adapter_weights(engine.model, slot, 4), alpha=8, rank=4)
+        device = b.sampler.paged.device
+        gets, get = [], device.layer_copies.get
+        monkeypatch.setattr(device.layer_copies, "get", lambda model, get=get, gets=gets: gets.append(1) or get(model))
+        runs[limit] = (b.sample(sample_batch(requests)), len(gets), dict(b.metrics.calls))
+    (unrolled, gets, calls), (scanned, scan_gets, scan_calls) = runs[default], runs[0]
+    assert calls["sample_prefill"] > 0
+    assert gets == calls["sample_decode"] + calls["sample_prefill"], (gets, calls)
+    assert scan_gets == scan_calls["sample_decode"], (scan_gets, scan_calls)
+    want = oracle.sample(engine, sample_batch(requests))
+    for request_id, *_ in requests:
+        assert [s.tokens for s in unrolled[request_id].sequences] == [s.tokens for s in scanned[request_id].sequences]
+        assert [s.tokens for s in unrolled[request_id].sequences] == [s.tokens for s in want[request_id].sequences]
+        for x, y in zip(unrolled[request_id].sequences, scanned[request_id].sequences):
+            np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=1e-5, atol=1e-5)
+
+
 def test_kv_blocks_auto_means_bucketed_on_gpus_only():
     from tx.sampling.paged_calls import kv_blocks_bucketed
 

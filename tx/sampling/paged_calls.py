@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 
 
 SLOT_QUARTERS_FROM = 32  # slot counts above this also come in 3/4 of a power of two
+# prefill calls of at most this many tokens (rows x chunk) run unrolled on the decode layer copies, where kept: a
+# scan slices every layer's weights out of the stacks per call (~30 ms at a 100M shape on a 2-core CPU, as much
+# as a 64-token chunk's matmuls), and a small call's activations are small
+PREFILL_UNROLLED_TOKENS = 256
 
 
 def slot_count(live: int, max_num_seqs: int, fsdp: int, quarters: bool = False) -> int:
@@ -195,8 +199,11 @@ class PagedDevice:
                 g.prefilled = end
                 used += 1
         inp = PrefillInputs(**self.runtime.put_batch(arrays))
-        self.pools = self._call(("sample_prefill", r, c), prefill_chunk, self.source.model,
-                                self._pools(), inp, impl=self.impl, kv_block=self.kv_block)
+        model = self.source.model
+        unrolled = self.layer_copies is not None and r * c <= PREFILL_UNROLLED_TOKENS  # r decides: one program per r
+        layer_defs, layers = self.layer_copies.get(model) if unrolled else (None, None)
+        self.pools = self._call(("sample_prefill", r, c), prefill_chunk, model, self._pools(), inp, layers,
+                                impl=self.impl, kv_block=self.kv_block, layer_defs=layer_defs)
 
     def decode(self, live: list[Live], bound: int) -> list[bool]:
         """One call of up to `bound` steps (<= `max_decode_steps_per_call`: a traced value, one program) for

@@ -2,10 +2,11 @@
 
 - `prefill_chunk`: `[R, C]` prompt tokens (each row a chunk of one prompt, at absolute positions) write
   their keys/values into the page pools. Nothing is returned but the pools: a prompt is prefilled up to,
-  not including, its last token, which each sampled row feeds itself as its first decode input. It always
-  scans the stacks: its per-layer weight slices are amortised over a chunk's tokens, and unrolled, its
+  not including, its last token, which each sampled row feeds itself as its first decode input. A large
+  call scans the stacks: its per-layer weight slices are amortised over its tokens, and unrolled, its
   large activations stayed live across layers (+0.5 GB peak in bench_peer's RL sampling workload, for ~5%
-  of a prefill call).
+  of a prefill call). A small one (`paged_calls.PREFILL_UNROLLED_TOKENS`) runs on decode's kept per-layer
+  copies where they exist: there the slices cost as much as the chunk's matmuls.
 - `copy_pages`: page `src[m]` -> page `dst[m]` in every layer (copy-on-write of a shared partial page).
 - `decode_steps`: first the copies newly admitted slots need (one pair per slot, no program of its own),
   then up to `bound` tokens for every active slot, in one `lax.while_loop` that also ends once every slot
@@ -77,9 +78,13 @@ class StepOutputs(NamedTuple):
     top_logprobs_skq: jax.Array | None
 
 
-def prefill_chunk(model, pools: Pools, inp: PrefillInputs, impl: str, kv_block: int) -> Pools:
+def prefill_chunk(model, pools: Pools, inp: PrefillInputs, layers: list | None, impl: str, kv_block: int,
+                  layer_defs: tuple | None = None) -> Pools:
+    """`layers` / `layer_defs`: as `decode_steps` (unrolled on the kept per-layer copies); None scans the stacks."""
+    if layers is not None:
+        layers = layer_states(layer_defs, layers)
     _, pools = model.paged_forward(inp.ids_rc, inp.pos_rc, inp.valid_rc, inp.adapter_r, pools, inp.table_rw,
-                                   impl, kv_block)
+                                   impl, kv_block, None, layers)
     return pools
 
 
