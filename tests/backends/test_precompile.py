@@ -74,7 +74,7 @@ def test_decode_block_prompts_reach_every_bucket_first(max_seq, page, kv_block):
 def test_prefill_prompt_lengths_reach_every_row_count(max_seq, chunk, rows, slots, fsdp):
     """Brute force: the row counts a first prefill call can take (up to `slots` prompts of 2 .. max_seq - 2
     tokens admitted at once, each prefilled up to its last token) are each reached by the slot-count runs
-    (n one-chunk prompts) or by one of the prompt sets, which stay within those limits."""
+    (one one-chunk prompt) or by one of the prompt sets, which stay within those limits."""
     def chunks(n):
         return -(-(n - 1) // chunk)
 
@@ -82,7 +82,7 @@ def test_prefill_prompt_lengths_reach_every_row_count(max_seq, chunk, rows, slot
     reachable = {prefill_row_count(w, rows, fsdp) for w in range(1, slots * per_prompt + 1)}
     sets = prefill_prompt_lengths(max_seq, chunk, rows, slots, fsdp)
     assert all(len(lengths) <= slots and all(2 <= n <= max_seq - 2 for n in lengths) for lengths in sets)
-    covered = {prefill_row_count(n, rows, fsdp) for n in slot_counts(slots, fsdp)}
+    covered = {prefill_row_count(1, rows, fsdp)}
     covered |= {prefill_row_count(sum(chunks(n) for n in lengths), rows, fsdp) for lengths in sets}
     assert covered == reachable
 
@@ -113,13 +113,14 @@ def test_precompile_covers_the_decode_block_buckets(tiny_dirs):
     assert backend.metrics.compiles == compiled, "a program compiled after --precompile"
 
 
-def test_precompile_covers_the_three_quarter_slot_counts(tiny_dirs):
+@pytest.mark.parametrize("prefill_rows", [64, 4])
+def test_precompile_covers_the_three_quarter_slot_counts(tiny_dirs, prefill_rows):
     """On CPU (`decode_slot_counts` "auto") 33-48 live rows decode on 48 slots: --precompile compiles that count
-    too, so a 40-row call after it compiles nothing. (prefill_rows >= max_num_seqs, as by default: precompile's
-    n-row calls need all n prompts admitted in one prefill call to decode on n slots.)"""
+    too, so a 40-row call after it compiles nothing. Also where one prefill call takes fewer prompts than there
+    are slots (prefill_rows 4): precompile's n rows still all decode together."""
     backend = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(
-        max_lora_adapters=3, max_lora_rank=4, max_seq_len=MAX_SEQ, max_num_seqs=64, prefill_rows=64, prefill_chunk=8,
-        kv_page_size=4, kv_block=8, max_num_samples=1))
+        max_lora_adapters=3, max_lora_rank=4, max_seq_len=MAX_SEQ, max_num_seqs=64, prefill_rows=prefill_rows,
+        prefill_chunk=8, kv_page_size=4, kv_block=8, max_num_samples=1))
     backend.create_model("tenant", types.LoraConfig(rank=4, seed=1))
     summary = precompile(backend, backend, loss_fns=())
     assert summary["sample_slot_counts"] == [1, 2, 4, 8, 16, 32, 48, 64]

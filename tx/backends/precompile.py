@@ -10,8 +10,9 @@ is touched):
   max_seq_len, so padding stays under 50% with a logarithmic number of shapes; rows in powers of two times
   the fsdp size within `train_micro_batch_tokens` / `train_micro_batch_size`, since the planner packs rows
   into micro-batches under that budget).
-- the paged sampling engine: the decode program at every slot count (powers of two times the fsdp size up
-  to `max_num_seqs`: the live rows are padded to one) and the prefill program at every row count one
+- the paged sampling engine: the decode program at every slot count (`paged_calls.slot_counts`: the live rows
+  are padded to one; n samples of one prompt, long enough that all n decode together however few prompts a
+  prefill call takes) and the prefill program at every row count one
   iteration's admissions can want (powers of 2 up to `prefill_rows`: up to `max_num_seqs` prompts of up to
   max_seq_len - 2 tokens, `prefill_prompt_lengths`), for rows with the default stops, no top-k log-probs
   and no repetition penalty. Where the host picks the attention's block count (`paged_kv_blocks`,
@@ -42,14 +43,13 @@ SCRATCH = "__precompile__"
 
 def prefill_prompt_lengths(max_seq_len: int, chunk: int, prefill_rows: int, max_num_seqs: int, fsdp: int
                            ) -> list[list[int]]:
-    """For each prefill row count (`paged_calls.prefill_row_count`) that the slot-count runs (n one-chunk
-    prompts: n chunks) do not reach, the lengths of prompts whose first prefill call takes it: one
-    iteration admits up to `max_num_seqs` one-sample requests, each prompt spanning at most the chunks of
-    one with 2 new tokens (max_seq_len - 2 tokens; its last token is not prefilled)."""
+    """For each prefill row count (`paged_calls.prefill_row_count`) but one chunk's (the slot-count runs
+    prefill one one-chunk prompt), the lengths of prompts whose first prefill call takes it: one iteration
+    admits up to `max_num_seqs` one-sample requests, each prompt spanning at most the chunks of one with 2 new
+    tokens (max_seq_len - 2 tokens; its last token is not prefilled)."""
     per_prompt = max(1, (max_seq_len - 4) // chunk + 1)
     most = max_num_seqs * per_prompt
-    # powers of 2 suffice: a 3/4 slot count's prefill rows round up to the same power of 2 as the next count
-    reached = {prefill_row_count(n, prefill_rows, fsdp) for n in slot_counts(max_num_seqs, fsdp)}
+    reached = {prefill_row_count(1, prefill_rows, fsdp)}
     wanted: dict[int, int] = {}  # row count -> the most chunks that take it
     for w in range(1, most + 1):
         wanted[prefill_row_count(w, prefill_rows, fsdp)] = w
@@ -93,12 +93,13 @@ def _sample_batch(lengths: list[int], vocab: int, rng: np.random.Generator) -> t
         request_batch_slices=[(f"precompile-{i}", SCRATCH, i, i + 1, False, 0) for i in range(n)])
 
 
-def _one_prompt_batch(n: int, prompt: list[int], per_request: int) -> types.PreparedSampleBatch:
-    """`n` samples of `prompt`, 2 tokens each, in requests of at most `per_request` (`max_num_samples`)
-    samples: `n` decode rows, one prefill per request."""
+def _one_prompt_batch(n: int, prompt: list[int], per_request: int, max_tokens: int = 2) -> types.PreparedSampleBatch:
+    """`n` samples of `prompt`, `max_tokens` each (no stop tokens: every row runs that long), in requests of at
+    most `per_request` (`max_num_samples`) samples: `n` decode rows, one prefill per request."""
     slices = [(f"precompile-{i}", SCRATCH, i, min(i + per_request, n), False, 0) for i in range(0, n, per_request)]
+    params = types.SamplingParams(max_tokens=max_tokens, seed=0, stop=[])
     return types.PreparedSampleBatch(
-        all_prompts=[prompt] * n, all_sampling_params=[types.SamplingParams(max_tokens=2, seed=0)] * n,
+        all_prompts=[prompt] * n, all_sampling_params=[params] * n,
         all_model_ids=[SCRATCH] * n, all_checkpoint_ids=[""] * n, all_checkpoint_paths=[""] * n,
         request_batch_slices=slices)
 
@@ -142,7 +143,16 @@ def precompile(backend: Any, impl: Any, loss_fns: tuple[str, ...] = ("cross_entr
         train_s = time.perf_counter() - start
         prompt_len = max(2, min(cfg.prefill_chunk, impl.max_seq_len - 2))
         for n in tqdm(counts, desc="precompile sampling", disable=None):
-            _failed(backend.sample(_sample_batch([prompt_len] * n, vocab, rng)), f"sampling {n} rows")
+            # n samples of one prompt (one prefill per request of max_num_samples); they must all be live in
+            # one decode call: while requests wait to be prefilled (prefill_rows one-chunk prompts an
+            # iteration), each iteration decodes decode_steps_per_call tokens, so the first rows' max_tokens
+            # outlasts those iterations
+            requests = -(-n // cfg.max_num_samples)
+            rounds = -(-requests // cfg.prefill_rows)
+            max_tokens = min(2 + cfg.decode_steps_per_call * (rounds - 1), impl.max_seq_len - prompt_len)
+            prompt = rng.integers(3, vocab, prompt_len).tolist()
+            _failed(backend.sample(_one_prompt_batch(n, prompt, cfg.max_num_samples, max_tokens)),
+                    f"sampling {n} rows")
         for lengths in tqdm(prefill_sets, desc="precompile prefill rows", disable=None):
             _failed(backend.sample(_sample_batch(lengths, vocab, rng)), f"prefilling prompts of {lengths} tokens")
         prompts = [rng.integers(3, vocab, length).tolist() for length in block_prompts]
