@@ -9,7 +9,8 @@ import pytest
 import tx
 from tx import types
 from tx.backends.batching import micro_batch_shape, model_pass_shapes, plan_micro_batches
-from tx.backends.precompile import SCRATCH, decode_block_prompts, precompile, prefill_prompt_lengths
+from tx.backends.precompile import (SCRATCH, decode_block_prompts, one_row_prefill_widths, precompile,
+                                   prefill_prompt_lengths)
 from tx.sampling.paged_calls import prefill_row_count, slot_counts, slot_quarters
 
 MAX_SEQ, BUDGET = 24, 32  # 3 shapes: 2 x 16 and 1 x 16, 1 x 24
@@ -85,6 +86,15 @@ def test_prefill_prompt_lengths_reach_every_row_count(max_seq, chunk, rows, slot
     covered = {prefill_row_count(1, rows, fsdp)}
     covered |= {prefill_row_count(sum(chunks(n) for n in lengths), rows, fsdp) for lengths in sets}
     assert covered == reachable
+
+
+def test_one_row_prefill_widths():
+    """Every width a one-row prefill call takes for prompts of 2 .. max_seq - 2 tokens (brute force)."""
+    from tx.sampling.paged_calls import prefill_width
+
+    for max_seq, chunk in [(24, 8), (24, 16), (100, 64), (6, 8), (40, 1), (40, 2)]:
+        want = {prefill_width(min(n - 1, chunk), 1, chunk) for n in range(2, max_seq - 1)}
+        assert set(one_row_prefill_widths(max_seq, chunk)) == want, (max_seq, chunk)
 
 
 def test_precompile_covers_the_decode_block_buckets(tiny_dirs):

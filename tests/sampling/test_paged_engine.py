@@ -232,6 +232,34 @@ def test_small_prefill_calls_run_on_the_layer_copies(tiny_dirs, engines, monkeyp
             np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=1e-5, atol=1e-5)
 
 
+def test_a_lone_short_prefill_narrows_its_chunk(tiny_dirs, engines):
+    """A one-row prefill call runs on a quarter or half of `prefill_chunk` (8 here) where its tokens fit: a short
+    prompt alone, and the rest of a prompt whose first pages the prefix cache holds. Tokens are the oracle's."""
+    from tx.sampling.paged_calls import prefill_width
+
+    assert [prefill_width(n, 1, 8) for n in (1, 2, 3, 4, 5, 8)] == [2, 2, 4, 4, 8, 8]
+    assert prefill_width(1, 2, 8) == 8 and prefill_width(1, 1, 1) == 1 and prefill_width(1, 1, 2) == 1
+    _, engine = engines
+    b = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **PAGED))
+    b.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
+    slot = engine.models["a"].adapter_index
+    set_adapter_weights(b.model, slot, get_adapter_weights(engine.model, slot, 4), alpha=8, rank=4)
+    greedy = SP(max_tokens=5, temperature=0.0, stop=[])
+    long = [60 + i for i in range(12)]  # 11 prefilled tokens: 2 pages of 4, then 3 more
+    widths = []
+    for i, prompt in enumerate([[70, 71, 72], [80, 81, 82, 83, 84], long, long]):
+        before = set(b.runtime.keys())
+        tokens_before = b.sampler.paged.stats["prefill_tokens"]
+        request = [(f"r{i}", "a", [(prompt, greedy)], False, 0)]
+        got, want = b.sample(sample_batch(request)), oracle.sample(engine, sample_batch(request))
+        assert got[f"r{i}"].sequences[0].tokens == want[f"r{i}"].sequences[0].tokens, i
+        widths += [k[2] for k in set(b.runtime.keys()) - before if k[0] == "sample_prefill"]
+        written = b.sampler.paged.stats["prefill_tokens"] - tokens_before
+    # new programs in order: 2 and 4 tokens on a quarter and a half chunk, 11 on two rows of a full chunk; the
+    # repeat finds 2 pages cached and writes the 3 tokens after them on the half chunk (no new program)
+    assert widths == [2, 4, 8] and written == 3, (widths, written)
+
+
 def test_kv_blocks_auto_means_bucketed_on_gpus_only():
     from tx.sampling.paged_calls import kv_blocks_bucketed
 

@@ -67,6 +67,18 @@ def prefill_row_count(wanted: int, prefill_rows: int, fsdp: int) -> int:
     return -(-r // fsdp) * fsdp
 
 
+def prefill_width(longest: int, rows: int, chunk: int) -> int:
+    """Tokens per row of a prefill call whose rows write at most `longest` tokens: a one-row call narrows to a
+    quarter or half of `chunk` where they fit (a short prompt alone, or the rest of one the prefix cache mostly
+    holds: the call is its first token's latency, and a full chunk of padding cost 3-4x its compute); more
+    rows take the whole chunk. At most two more programs."""
+    if rows == 1:
+        for width in (chunk // 4, chunk // 2):
+            if width >= 1 and longest <= width:
+                return width
+    return chunk
+
+
 def table_blocks(width: int, page: int, kv_block: int) -> int:
     """Attention blocks a table of `width` pages spans: no call needs more."""
     return -(-width * page // kv_block)
@@ -181,26 +193,29 @@ class PagedDevice:
         c = self.chunk
         wanted = sum((g.prefix - 1) // c - g.prefilled // c + 1 for g in groups if g.prefilled < g.prefix)
         r = prefill_row_count(wanted, self.chunk_rows, self.fsdp)
+        segments = []  # per row: (group, first position, end)
+        for g in groups:
+            while len(segments) < r and g.prefilled < g.prefix:
+                start = g.prefilled - g.prefilled % c  # chunks at fixed absolute positions
+                end = min(start + c, g.prefix)
+                segments.append((g, g.prefilled, end))
+                g.prefilled = end
+        c = prefill_width(max(end - first for _, first, end in segments), r, c)
         arrays = {"ids_rc": np.zeros((r, c), np.int32), "pos_rc": np.zeros((r, c), np.int32),
                   "valid_rc": np.zeros((r, c), bool), "adapter_r": np.zeros(r, np.int32),
                   "table_rw": np.zeros((r, self.width), np.int32)}
-        used = 0
-        for g in groups:
-            while used < r and g.prefilled < g.prefix:
-                start = g.prefilled - g.prefilled % c  # chunks at fixed absolute positions
-                end = min(start + c, g.prefix)
-                n = end - g.prefilled
-                arrays["ids_rc"][used, :n] = g.prompt[g.prefilled:end]
-                arrays["pos_rc"][used, :n] = np.arange(g.prefilled, end)
-                arrays["valid_rc"][used, :n] = True
-                arrays["adapter_r"][used] = g.adapter
-                arrays["table_rw"][used, : len(g.pages)] = g.pages
-                self.stats["prefill_tokens"] += n
-                g.prefilled = end
-                used += 1
+        for i, (g, first, end) in enumerate(segments):
+            n = end - first
+            arrays["ids_rc"][i, :n] = g.prompt[first:end]
+            arrays["pos_rc"][i, :n] = np.arange(first, end)
+            arrays["valid_rc"][i, :n] = True
+            arrays["adapter_r"][i] = g.adapter
+            arrays["table_rw"][i, : len(g.pages)] = g.pages
+            self.stats["prefill_tokens"] += n
         inp = PrefillInputs(**self.runtime.put_batch(arrays))
         model = self.source.model
-        unrolled = self.layer_copies is not None and r * c <= PREFILL_UNROLLED_TOKENS  # r decides: one program per r
+        # (r, c) decides: one program each
+        unrolled = self.layer_copies is not None and r * c <= PREFILL_UNROLLED_TOKENS
         layer_defs, layers = self.layer_copies.get(model) if unrolled else (None, None)
         self.pools = self._call(("sample_prefill", r, c), prefill_chunk, model, self._pools(), inp, layers,
                                 impl=self.impl, kv_block=self.kv_block, layer_defs=layer_defs)
