@@ -21,8 +21,9 @@ def _weights(rng, g, i, r, o):
     )
 
 
-# per-row gathers; one token per row and rows >= slots: the one-hot over slots; one token, rows < slots
-@pytest.mark.parametrize("b, t", [(5, 7), (7, 1), (5, 1)])
+# per-row gathers; one token per row and rows >= slots: the one-hot over slots; one token, rows < slots; one row
+# (a dynamic slice of its slot instead of a gather)
+@pytest.mark.parametrize("b, t", [(5, 7), (7, 1), (5, 1), (1, 7), (1, 1)])
 def test_rows_matches_reference_and_gradients(b, t):
     rng = np.random.default_rng(0)
     i, r, o, g = 12, 4, 9, 6
@@ -84,8 +85,8 @@ def test_rows_cost_independent_of_adapters(slots):
     assert one.shape == many.shape
 
 
-# b >= slots: one-hot over (slot, rank); b < slots: per-row B; t = 1: one dot over every slot
-@pytest.mark.parametrize("b, t", [(9, 5), (3, 5), (9, 1), (3, 1)])
+# b >= slots: one-hot over (slot, rank); b < slots: per-row B; t = 1: one dot over every slot; one row: its slot sliced
+@pytest.mark.parametrize("b, t", [(9, 5), (3, 5), (9, 1), (3, 1), (1, 5), (1, 1)])
 def test_head_matches_reference_and_rows(b, t):
     rng = np.random.default_rng(3)
     i, r, o, g = 16, 4, 50, 6
