@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 
 SLOT_QUARTERS_FROM = 32  # slot counts above this also come in 3/4 of a power of two
 # prefill calls of at most this many tokens (rows x chunk) run unrolled on the decode layer copies, where kept: a
-# scan slices every layer's weights out of the stacks per call (~30 ms at a 100M shape on a 2-core CPU, as much
-# as a 64-token chunk's matmuls), and a small call's activations are small
+# scan slices every layer's weights out of the stacks per call (~20 ms at a 100M shape on a 2-core CPU, a third
+# of a 64-token call), and a small call's activations are small
 PREFILL_UNROLLED_TOKENS = 256
 
 
@@ -70,7 +70,7 @@ def prefill_row_count(wanted: int, prefill_rows: int, fsdp: int) -> int:
 def prefill_width(longest: int, rows: int, chunk: int) -> int:
     """Tokens per row of a prefill call whose rows write at most `longest` tokens: a one-row call narrows to a
     quarter or half of `chunk` where they fit (a short prompt alone, or the rest of one the prefix cache mostly
-    holds: the call is its first token's latency, and a full chunk of padding cost 3-4x its compute); more
+    holds: the call is its first token's latency, and 15 tokens on a 64-wide chunk computed 4x their work); more
     rows take the whole chunk. At most two more programs."""
     if rows == 1:
         for width in (chunk // 4, chunk // 2):
