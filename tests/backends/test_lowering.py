@@ -173,7 +173,7 @@ def paged_prefill(t: Target):
               "table_rw": np.zeros((r, WIDTH), np.int32)}
     fn = jax.jit(prefill_chunk, static_argnames=("impl", "kv_block"), donate_argnames=("pools",))
     model = t.lora_model
-    return fn, (abstract(model), _pools(t, model), PrefillInputs(**t.batch(arrays))), dict(
+    return fn, (abstract(model), _pools(t, model), PrefillInputs(**t.batch(arrays)), None), dict(
         impl=PAGED_IMPL[t.platform], kv_block=32)
 
 

@@ -9,7 +9,7 @@ import pytest
 import tx
 from tx import types
 from tx.backends.batching import micro_batch_shape, model_pass_shapes, plan_micro_batches
-from tx.backends.precompile import (SCRATCH, decode_block_prompts, one_row_prefill_widths, precompile,
+from tx.backends.precompile import (SCRATCH, decode_block_prompts, one_row_prefill_prompts, precompile,
                                    prefill_prompt_lengths)
 from tx.sampling.paged_calls import prefill_row_count, slot_counts, slot_quarters
 
@@ -88,13 +88,18 @@ def test_prefill_prompt_lengths_reach_every_row_count(max_seq, chunk, rows, slot
     assert covered == reachable
 
 
-def test_one_row_prefill_widths():
-    """Every width a one-row prefill call takes for prompts of 2 .. max_seq - 2 tokens (brute force)."""
+def test_one_row_prefill_prompts():
+    """Every width a one-row prefill call takes for prompts of 2 .. max_seq - 2 tokens (brute force), each with a
+    prompt in those limits whose one-row prefill takes it."""
     from tx.sampling.paged_calls import prefill_width
 
-    for max_seq, chunk in [(24, 8), (24, 16), (100, 64), (6, 8), (40, 1), (40, 2)]:
-        want = {prefill_width(min(n - 1, chunk), 1, chunk) for n in range(2, max_seq - 1)}
-        assert set(one_row_prefill_widths(max_seq, chunk)) == want, (max_seq, chunk)
+    def width(n):  # a prompt of n tokens alone: its first call writes min(n - 1, chunk) tokens
+        return prefill_width(min(n - 1, chunk), 1, chunk)
+
+    for max_seq, chunk in [(24, 8), (24, 16), (100, 64), (32, 64), (6, 8), (40, 1), (40, 2)]:
+        prompts = one_row_prefill_prompts(max_seq, chunk)
+        assert set(prompts) == {width(n) for n in range(2, max_seq - 1)}, (max_seq, chunk)
+        assert all(2 <= n <= max_seq - 2 and width(n) == w for w, n in prompts.items()), (max_seq, chunk, prompts)
 
 
 def test_precompile_covers_the_decode_block_buckets(tiny_dirs):

@@ -15,7 +15,7 @@ is touched):
   prefill call takes) and the prefill program at every row count one
   iteration's admissions can want (powers of 2 up to `prefill_rows`: up to `max_num_seqs` prompts of up to
   max_seq_len - 2 tokens, `prefill_prompt_lengths`) and, for one row, at every width it narrows to
-  (`one_row_prefill_widths`), for rows with the default stops, no top-k log-probs
+  (`one_row_prefill_prompts`), for rows with the default stops, no top-k log-probs
   and no repetition penalty. Where the host picks the attention's block count (`paged_kv_blocks`,
   bucketed on GPUs), every slot count at every block bucket: rows of one prompt per bucket, long enough
   to reach it (the prompt is prefilled once per bucket and then read from the prefix cache).
@@ -62,11 +62,15 @@ def prefill_prompt_lengths(max_seq_len: int, chunk: int, prefill_rows: int, max_
     return out
 
 
-def one_row_prefill_widths(max_seq_len: int, chunk: int) -> list[int]:
-    """The widths a one-row prefill call can take (`paged_calls.prefill_width`): its row writes 1 .. chunk tokens,
-    at most those of the longest prompt with 2 new tokens (max_seq_len - 2, its last token not prefilled). A
-    prompt of width + 1 tokens takes width."""
-    return sorted({prefill_width(n, 1, chunk) for n in range(1, min(chunk, max_seq_len - 3) + 1)})
+def one_row_prefill_prompts(max_seq_len: int, chunk: int) -> dict[int, int]:
+    """Each width a one-row prefill call can take (`paged_calls.prefill_width`) -> the length of a prompt alone
+    whose prefill takes it. The row writes 1 .. chunk tokens, at most those of the longest prompt with 2 new
+    tokens (max_seq_len - 2 tokens, its last one not prefilled)."""
+    most = min(chunk, max_seq_len - 3)
+    prompts: dict[int, int] = {}
+    for n in range(1, most + 1):
+        prompts[prefill_width(n, 1, chunk)] = n + 1  # the most tokens each width takes
+    return dict(sorted(prompts.items()))
 
 
 def decode_block_prompts(max_seq_len: int, page: int, kv_block: int) -> list[int]:
@@ -128,7 +132,7 @@ def precompile(backend: Any, impl: Any, loss_fns: tuple[str, ...] = ("cross_entr
     counts = slot_counts(cfg.max_num_seqs, fsdp, slot_quarters(cfg.decode_slot_counts, impl.model.platform))
     bucketed = cfg.paged_attention_impl == "blocked" and kv_blocks_bucketed(cfg.paged_kv_blocks, impl.model.platform)
     block_prompts = decode_block_prompts(impl.max_seq_len, cfg.kv_page_size, cfg.kv_block) if bucketed else []
-    widths = one_row_prefill_widths(impl.max_seq_len, cfg.prefill_chunk)
+    width_prompts = one_row_prefill_prompts(impl.max_seq_len, cfg.prefill_chunk)
     prefill_sets = prefill_prompt_lengths(impl.max_seq_len, cfg.prefill_chunk, cfg.prefill_rows, cfg.max_num_seqs,
                                           fsdp)
     rng = np.random.default_rng(0)
@@ -162,8 +166,8 @@ def precompile(backend: Any, impl: Any, loss_fns: tuple[str, ...] = ("cross_entr
             prompt = rng.integers(3, vocab, prompt_len).tolist()
             _failed(backend.sample(_one_prompt_batch(n, prompt, cfg.max_num_samples, max_tokens)),
                     f"sampling {n} rows")
-        for width in tqdm(widths, desc="precompile one-row prefill widths", disable=None):
-            _failed(backend.sample(_sample_batch([width + 1], vocab, rng)), f"prefilling a {width + 1}-token prompt")
+        for length in tqdm(width_prompts.values(), desc="precompile one-row prefill widths", disable=None):
+            _failed(backend.sample(_sample_batch([length], vocab, rng)), f"prefilling a {length}-token prompt")
         for lengths in tqdm(prefill_sets, desc="precompile prefill rows", disable=None):
             _failed(backend.sample(_sample_batch(lengths, vocab, rng)), f"prefilling prompts of {lengths} tokens")
         prompts = [rng.integers(3, vocab, length).tolist() for length in block_prompts]
@@ -175,7 +179,7 @@ def precompile(backend: Any, impl: Any, loss_fns: tuple[str, ...] = ("cross_entr
         backend.delete_model(SCRATCH)
     compiled = {k: v - before.get(k, 0) for k, v in impl.metrics.compiles.items() if v != before.get(k, 0)}
     summary = {"forward_backward_shapes": len(shapes), "loss_fns": list(loss_fns), "sample_slot_counts": counts,
-               "one_row_prefill_widths": widths,
+               "one_row_prefill_widths": list(width_prompts),
                "prefill_prompt_lengths": prefill_sets, "decode_block_prompts": block_prompts,
                "compiled": compiled, "train_s": round(train_s, 1), "total_s": round(time.perf_counter() - start, 1)}
     logger.info("precompiled %s", summary)
