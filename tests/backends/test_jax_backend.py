@@ -10,7 +10,9 @@ from transformers import AutoModelForCausalLM
 import tx
 from tests.helpers import hf_logprobs, make_batch, peft_model_of, random_datums
 from tx import types
+from tx.models import decoder
 from tx.models.adapters import get_adapter_weights, lora_modules
+from tx.models.logprobs import frozen_head_target_logprobs
 
 CONFIG = tx.JaxBackendConfig(max_lora_adapters=4, max_lora_rank=8, max_seq_len=64)
 
@@ -89,18 +91,29 @@ def test_passes_skip_the_head_delta_only_where_no_row_adapts_the_head(tiny_dirs,
     """An adapter that does not train the LM head has head scale 0: its passes skip the head's LoRA delta
     (exactly zero for it) and give the same log-probs, losses and gradient sums as the pass that computes it (to
     1e-6 of each gradient's scale: two programs, whose sums XLA may order differently); a batch with a row of a
-    head-training adapter computes it, and that adapter's head factors train."""
+    head-training adapter computes it, and that adapter's head factors train. The pass without the delta runs
+    the frozen-head log-probs (no rematerialised logits), so this also compares that backward with autodiff's."""
     backend = new_backend(tiny_dirs)
     backend.create_model("n", types.LoraConfig(rank=8, alpha=16, seed=3, train_unembed=False))
     datums = random_datums(4, [11, 6, 9])
+    frozen_calls = []
+
+    def frozen_spy(*args):
+        frozen_calls.append(args[0].shape)
+        return frozen_head_target_logprobs(*args)
+
+    monkeypatch.setattr(decoder, "frozen_head_target_logprobs", frozen_spy)
     plain = backend.forward_backward(make_batch([ce_request("r", "n", datums)]))["r"]
     skipped = {k[-1] for k in backend.runtime.keys() if k[0] == "grads"}
     assert skipped == {False}  # the program without the head delta
+    assert frozen_calls  # traced through the frozen head
     grads_plain = backend.grad_sum_of("n")
     backend.delete_model("n")
     backend.create_model("n", types.LoraConfig(rank=8, alpha=16, seed=3, train_unembed=False))
     monkeypatch.setattr(backend, "_head_adapted", lambda slots: True)  # force the delta in
+    traced = len(frozen_calls)
     forced = backend.forward_backward(make_batch([ce_request("r", "n", datums)]))["r"]
+    assert len(frozen_calls) == traced  # the head with its delta: the rematerialising pass
     monkeypatch.undo()
     for x, y in zip(plain.loss_fn_outputs, forced.loss_fn_outputs):
         for key in ("logprobs", "elementwise_loss"):

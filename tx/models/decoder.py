@@ -34,7 +34,7 @@ from tx.models.layers.moe import SparseMoE
 from tx.models.layers.norm import RMSNorm
 from tx.models.layers.rope import rope_cos_sin
 from tx.models.logical import NO_SHARDING, LogicalSharding
-from tx.models.logprobs import chunked_target_logprobs
+from tx.models.logprobs import chunked_target_logprobs, frozen_head_target_logprobs
 
 _init = nnx.initializers.normal(0.02)
 
@@ -187,11 +187,14 @@ class LMHead(nnx.Module):
         )
         self.value_head = ValueHead(jnp.zeros((slots.max_lora_adapters, d, 1), jnp.float32))
 
+    def weight(self, embedding_vd: jax.Array) -> jax.Array:
+        """W [d, vocab] of `h W` (the embedding's transpose when tied), gathered to the matmul's layout."""
+        w_dv = embedding_vd.T if self.kernel is None else self.kernel[...]
+        return self.shard.gathered(w_dv, ("embed", "vocab"))
+
     def __call__(self, h_btd: jax.Array, embedding_vd: jax.Array, adapter_b: jax.Array | None) -> jax.Array:
         """float32 logits [b, t, vocab]."""
-        w_dv = embedding_vd.T if self.kernel is None else self.kernel[...]
-        w_dv = self.shard.gathered(w_dv, ("embed", "vocab"))
-        logits_btv = jnp.dot(h_btd, w_dv, preferred_element_type=jnp.float32)
+        logits_btv = jnp.dot(h_btd, self.weight(embedding_vd), preferred_element_type=jnp.float32)
         logits_btv = self.shard.constrain(logits_btv, ("batch", "length", "vocab"))
         if adapter_b is not None:
             logits_btv = add_lora_head_delta(  # in place, vocab block by block: no per-row B
@@ -356,6 +359,9 @@ class DecoderLM(nnx.Module):
         """float32 log p(target) [b, t], computed `chunk_size` tokens at a time (no [b, t, vocab] tensor);
         with `with_entropy`, also each position's entropy [b, t]; with `temperature_b` [b], of each row's
         softmax(logits / temperature)."""
+        if adapter_indices_b is None and not with_entropy:  # the head is frozen here unless its weight trains
+            return frozen_head_target_logprobs(hidden_btd, self.lm_head.weight(self.embed_tokens.embedding[...]),
+                                               targets_bt, temperature_b, chunk_size)
         logits_fn = self.logits
         if temperature_b is not None:
             def logits_fn(h_btd, adapter_b):
