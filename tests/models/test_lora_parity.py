@@ -1,9 +1,11 @@
 """Multi-adapter LoRA equals PEFT row by row; ranks below the maximum; MoE expert LoRA; PEFT-style init."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -12,6 +14,7 @@ from tests.models.jit_logprobs import logprobs
 from tests.models.test_qwen3_parity import TOL
 from tx.models.adapters import clear_adapter, get_adapter_weights, init_adapter, lora_modules, set_adapter_weights
 from tx.models.config import LoraSlots
+from tx.models.layers.lora import LoraA, LoraB
 from tx.models.loading import load_model
 
 SLOTS = LoraSlots(max_lora_adapters=4, max_lora_rank=8)
@@ -160,3 +163,38 @@ def test_bad_rank_and_unknown_module_raise(tiny_dirs):
         set_adapter_weights(model, 1, {"model.layers.9.self_attn.q_proj": (np.zeros((2, 64)), np.zeros((64, 2)))}, alpha=1, rank=2)
     with pytest.raises(ValueError, match="do not match rank"):
         set_adapter_weights(model, 1, {"model.layers.0.self_attn.q_proj": (np.zeros((2, 63)), np.zeros((64, 2)))}, alpha=1, rank=2)
+
+
+@pytest.mark.parametrize("policy", ["none", "layer"])
+@pytest.mark.parametrize("targets", [DENSE_TARGETS[:-1], DENSE_TARGETS], ids=["frozen_head", "head_lora"])
+def test_lora_gradients_match_peft(tiny_dirs, policy, targets):
+    """The gradients of a masked cross-entropy w.r.t. every LoRA factor equal PyTorch autograd through PEFT: with
+    and without gradient checkpointing (without it dense layers still recompute what lies between their weight
+    matmuls), and with the LM head frozen (its log-prob backward gathers W's target columns) or adapted."""
+    model_dir = tiny_dirs["dense"]
+    model = load_model(model_dir, SLOTS, remat_policy=policy)
+    ref = _peft(model_dir, 8, 16, targets, seed=5)
+    set_adapter_weights(model, 1, peft_weights(ref), alpha=16, rank=8)
+    ids, mask, targets_bt = random_batch(4, [12, 9, 5], model.config.vocab_size)
+    adapters = jnp.ones(3, jnp.int32)
+    head_adapters = adapters if "lm_head" in targets else None
+    graphdef, lora, rest = nnx.split(model, nnx.Any(LoraA, LoraB), ...)
+
+    def loss(lora):
+        m = nnx.merge(graphdef, lora, rest)
+        hidden = m(jnp.asarray(ids), jnp.asarray(mask), adapters)
+        return -jnp.sum(m.target_logprobs(hidden, jnp.asarray(targets_bt), head_adapters, chunk_size=8) * mask)
+
+    nnx.update(model, jax.jit(jax.grad(loss))(lora))  # the model's factors now hold their gradients
+    got = get_adapter_weights(model, 1, 8)  # PEFT layout: {module: (dA [r, in], dB [out, r])}
+    logits = ref(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask)).logits
+    logprobs_bt = torch.log_softmax(logits, -1).gather(-1, torch.tensor(targets_bt, dtype=torch.long)[..., None])[..., 0]
+    (-(logprobs_bt * torch.tensor(mask)).sum()).backward()
+    want = {name.removeprefix("base_model.model."): (m.lora_A["default"].weight.grad.numpy(),
+                                                     m.lora_B["default"].weight.grad.numpy())
+            for name, m in ref.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
+    assert sorted(got) == sorted(want) and any("lm_head" in k for k in want) == ("lm_head" in targets)
+    for name, (d_a, d_b) in want.items():
+        for g, w in zip(got[name], (d_a, d_b)):
+            assert np.abs(w).max() > 0, name
+            np.testing.assert_allclose(g, w, rtol=0, atol=1e-4 * np.abs(w).max(), err_msg=name)

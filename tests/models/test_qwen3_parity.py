@@ -50,7 +50,8 @@ def test_mixed_layers_are_stacked_in_runs(tiny_dirs):
 
 
 def test_every_remat_policy_gives_the_same_gradients(tiny_dirs):
-    """Gradient checkpointing only changes what is recomputed: gradients w.r.t. every weight match no remat."""
+    """Gradient checkpointing only changes what is recomputed: gradients w.r.t. every weight match "none" (no layer
+    recomputed; test_lora_gradients_match_peft checks it against PyTorch)."""
     ids, mask, targets = random_batch(2, [11, 9], 512)
     adapters = jnp.zeros(2, jnp.int32)
 

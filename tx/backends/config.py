@@ -161,7 +161,9 @@ class JaxBackendConfig(BaseModel):
         "the first rule of its name whose mesh axis the tensor has not used yet wins; unlisted names are replicated"
     )
     gradient_checkpointing: bool = Field(
-        True, description="recompute each layer in the backward pass (what it keeps: remat_policy)"
+        True, description="recompute each layer in the backward pass (what it keeps: remat_policy); off, no "
+        "weight matmul is recomputed (a dense layer keeps their outputs and recomputes the elementwise ops, "
+        "LoRA products and attention between them: faster and less memory than keeping everything)"
     )
     remat_policy: Literal["layer", "dots_saveable", "dots_with_no_batch_dims_saveable"] = Field(
         "layer", description="with gradient_checkpointing, what each layer keeps for the backward pass: 'layer' "

@@ -49,6 +49,16 @@ REMAT_POLICIES = {
 }
 
 
+# Without gradient checkpointing ("none") a dense layer still runs under this policy: it keeps the output of
+# every matmul with a weight (dots without batch dimensions) and recomputes in the backward pass only what lies
+# between them (norms, activations, RoPE, casts, the rank-sized LoRA products, attention), never a weight matmul.
+# Keeping everything instead stacked every intermediate of every layer for the scan's backward: at bench_peer's
+# ~100M shape (8 x 128 tokens, CPU) a forward-backward took 2.95 s against 2.1-2.4 s, peak RSS 2.05 against
+# 1.58 GB; one 4,096-token row: the same time, 4.0 against 2.5 GB. MoE layers keep everything: their expert
+# matmuls are grouped kernels, not dots, and would be recomputed.
+NO_RECOMPUTE_DENSE = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+
 def remat_policy(name: str):
     """The `jax.checkpoint` policy called `name` (None for "none")."""
     if name not in REMAT_POLICIES:
@@ -137,6 +147,8 @@ class DecoderStack(nnx.Module):
             return h_btd, None
 
         policy = remat_policy(self.remat_policy)
+        if policy is None and not self.moe:
+            policy = NO_RECOMPUTE_DENSE
         if policy is not None:  # per-layer gradient checkpointing: the policy says what the backward may keep
             body = jax.checkpoint(body, policy=policy)
         h_btd, _ = jax.lax.scan(body, x_btd, (state, layer_l))

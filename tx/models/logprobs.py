@@ -26,10 +26,15 @@ def logprobs_from_logits(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Ar
     """log p(target) with `targets` shaped [b, t] or [b, t, K] (K targets per position: one logsumexp
     per position, then a gather of K values)."""
     logits_btv = logits_btv.astype(jnp.float32)
-    lse_bt = jax.nn.logsumexp(logits_btv, axis=-1)
-    if targets_bt.ndim == logits_btv.ndim - 1:
-        return jnp.take_along_axis(logits_btv, targets_bt[..., None].astype(jnp.int32), axis=-1)[..., 0] - lse_bt
-    return jnp.take_along_axis(logits_btv, targets_bt.astype(jnp.int32), axis=-1) - lse_bt[..., None]
+    return _minus_lse(logits_btv, targets_bt, jax.nn.logsumexp(logits_btv, axis=-1, keepdims=True))
+
+
+def _minus_lse(logits_btv: jax.Array, targets_bt: jax.Array, lse_bt1: jax.Array) -> jax.Array:
+    """The targets' logits minus logsumexp `lse_bt1` [b, t, 1]: [b, t] for targets [b, t], else [b, t, K]."""
+    one = targets_bt.ndim == logits_btv.ndim - 1
+    idx = (targets_bt[..., None] if one else targets_bt).astype(jnp.int32)
+    out = jnp.take_along_axis(logits_btv, idx, axis=-1) - lse_bt1
+    return out[..., 0] if one else out
 
 
 def entropy_from_logits(logits_btv: jax.Array) -> jax.Array:
@@ -154,10 +159,14 @@ def _frozen_head(chunk_size: int, h_dtype: Any):
         def one_chunk(args):
             h_bkd, tgt_bk = args
             logits_bkv = _head_logits(h_bkd, w, temp)
-            target_bk = logprobs_from_logits(logits_bkv, tgt_bk)
-            p_bkv = jnp.exp(logits_bkv - jax.nn.logsumexp(logits_bkv, axis=-1, keepdims=True))
-            # E_p[W[:, v]], contracted as autodiff's transpose of the logits matmul would (float32 x W's dtype)
-            mean_w_bkd = jax.lax.dot_general(p_bkv, w, (((2,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            # one exp over the chunk serves the logsumexp and the expectation: E_p[W] = (e W^T) / sum(e)
+            max_bk1 = jnp.max(logits_bkv, axis=-1, keepdims=True)
+            exp_bkv = jnp.exp(logits_bkv - max_bk1)
+            sum_bk1 = jnp.sum(exp_bkv, axis=-1, keepdims=True)
+            target_bk = _minus_lse(logits_bkv, tgt_bk, max_bk1 + jnp.log(sum_bk1))
+            # contracted as autodiff's transpose of the logits matmul would be (float32 x W's dtype)
+            mean_w_bkd = jax.lax.dot_general(exp_bkv, w, (((2,), (1,)), ((), ())),
+                                             preferred_element_type=jnp.float32) / sum_bk1
             return target_bk, mean_w_bkd
 
         target_cbk, mean_w_cbkd = jax.lax.map(one_chunk, (_to_chunks(h, chunk_size), _to_chunks(tgt, chunk_size)))
