@@ -186,13 +186,10 @@ def _frozen_head(chunk_size: int, h_dtype: Any):
         # the targets' columns of W, gathered along the vocabulary axis (no transposed copy of W); clipped: a
         # masked position's target may be anything, and its cotangent is 0 (a NaN fill would make it NaN)
         w_target_nd = jnp.take(w_dv, tgt.reshape(-1), axis=1, mode="clip").T.astype(jnp.float32)
-        g_n = g_bt.reshape(-1)
-        if tgt.ndim == 3:  # K targets per position: sum_k g_k W[:, y_k] - (sum_k g_k) E_p[W]
-            weighted_btd = (g_n[:, None] * w_target_nd).reshape(*tgt.shape, -1).sum(axis=2)
-            g_bt = g_bt.sum(axis=2)
-        else:
-            weighted_btd = (g_n[:, None] * w_target_nd).reshape(*tgt.shape, -1)
-        d_h = weighted_btd - g_bt[..., None] * res["mean_w"]
+        # K targets per position (K = 1 for [b, t] targets): sum_k g_k W[:, y_k] - (sum_k g_k) E_p[W]
+        g_btk = g_bt.reshape(*tgt.shape[:2], -1)
+        weighted_btd = (g_btk[..., None] * w_target_nd.reshape(*g_btk.shape, -1)).sum(axis=2)
+        d_h = weighted_btd - g_btk.sum(axis=2)[..., None] * res["mean_w"]
         return d_h.astype(h_dtype), None, None, None
 
     logprobs.defvjp(fwd, bwd, symbolic_zeros=True)
