@@ -15,7 +15,8 @@ Workloads, each (engine, run) in its own process so memory peaks and compile cac
                           `--adapters`; one step = forward_backward + an optim_step per adapter present;
                           tokens/s of the median step after `--warmup` steps.
   sample_b<B>             B prompts of `--prompt-len` tokens, `--new-tokens` greedy tokens each through an
-                          adapter, stop disabled; generated tokens/s of the median of `--sample-iters` calls.
+                          adapter, stop disabled; generated tokens/s of the median of `--sample-iters` calls,
+                          each on new prompts after a warm-up call (`--repeat-prompts`: the warm-up's again).
   sample_rl               `--rl-prompts` prompts x `--rl-samples` samples (T = 1, seeded), max_tokens per
                           prompt drawn in `--rl-max-tokens`; one call, after a warm-up call on other prompts.
 tx samples with its default (paged) engine, for sample_rl with a decode slot per row; SkyRL decodes a call
@@ -221,17 +222,22 @@ def run_train(engine: Engine, args: argparse.Namespace, adapters: int) -> dict:
 
 
 def run_sample(engine: Engine, args: argparse.Namespace, batch: int) -> dict:
-    prompts = np.random.default_rng(batch).integers(3, args.vocab_size, (batch, args.prompt_len)).tolist()
-    req = engine.sample_batch(prompts, 1, [args.new_tokens] * batch, 0.0)
+    rng = np.random.default_rng(batch)
+    # one call to compile (SkyRL: also loads the sampler checkpoint), then each timed call on prompts new to the
+    # engine (tx's prefix cache would hold a repeated prompt's pages: a user's next request rarely repeats one);
+    # `--repeat-prompts` times the warm-up's prompts again (the tables before 2026-11-29 did)
+    calls = [rng.integers(3, args.vocab_size, (batch, args.prompt_len)).tolist()
+             for _ in range(1 if args.repeat_prompts else args.sample_iters + 1)]
+    requests = [engine.sample_batch(p, 1, [args.new_tokens] * batch, 0.0) for p in calls]
     start = time.perf_counter()
-    engine.backend.sample(req)  # compiles (SkyRL: also loads the sampler checkpoint)
+    engine.backend.sample(requests[0])
     warm = time.perf_counter() - start
     times, tokens = [], []
-    for _ in range(args.sample_iters):
+    for i in range(args.sample_iters):
         start = time.perf_counter()
-        out = engine.backend.sample(req)
+        out = engine.backend.sample(requests[0 if args.repeat_prompts else i + 1])
         times.append(time.perf_counter() - start)
-        tokens = _tokens(out, batch)
+        tokens += _tokens(out, batch)
     assert all(len(t) == args.new_tokens for t in tokens), [len(t) for t in tokens]
     call_s = statistics.median(times)
     return {"tokens_per_s": batch * args.new_tokens / call_s, "step_time_s": call_s, "warmup_s": warm, "tokens": tokens}
@@ -266,7 +272,7 @@ def workload_shapes(name: str, args: argparse.Namespace) -> dict:
         return model | {"prompts": args.rl_prompts, "samples": args.rl_samples, "prompt_len": args.rl_prompt_len,
                         "max_tokens": args.rl_max_tokens, "temperature": 1.0}
     return model | {"batch": int(name[8:]), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                    "greedy": True}
+                    "greedy": True, "repeat_prompts": args.repeat_prompts}
 
 
 def use_tx_source(folder: str) -> None:
@@ -416,6 +422,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--sample-iters", type=int, default=3, help="measured sample calls (after one warm-up)")
+    parser.add_argument("--repeat-prompts", action="store_true", help="sample_b*: time the warm-up call's prompts "
+                        "again (tx's prefix cache then holds their full pages) instead of new prompts per call")
     parser.add_argument("--rl-prompts", type=int, default=32)
     parser.add_argument("--rl-samples", type=int, default=16)
     parser.add_argument("--rl-prompt-len", type=int, default=128)
