@@ -283,6 +283,19 @@ def use_tx_source(folder: str) -> None:
     sys.path.insert(0, str(Path(folder).resolve()))
 
 
+def source_commit(folder: str) -> str | None:
+    """The git commit `folder` is checked out at, "+dirty" when its tracked files differ from it; None outside
+    a git work tree (a `--tx-source` folder from `git archive`: its path names the commit)."""
+    def git(*cmd: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", folder, *cmd], capture_output=True, text=True)
+
+    head = git("rev-parse", "--short", "HEAD")
+    if head.returncode:
+        return None
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".").stdout.strip()
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
 def child(spec: dict) -> None:
     """Run one workload on one engine; print its result as a `RESULT {json}` line."""
     args = argparse.Namespace(**spec["args"])
@@ -312,6 +325,7 @@ def child(spec: dict) -> None:
     settings = engine.backend.config.model_dump(exclude_defaults=True)
     if engine_name == "tx":
         settings["tx_package"] = tx_package  # which tx ran (--tx-source)
+        settings["tx_commit"] = source_commit(tx_package)
     for logger in ("tx", "skyrl"):  # per-step INFO lines would be timed too
         logging.getLogger(logger).setLevel(logging.WARNING)
     if name.startswith("train_"):
