@@ -285,12 +285,12 @@ def use_tx_source(folder: str) -> None:
 
 def source_commit(folder: str) -> str | None:
     """The git commit `folder` is checked out at, "+dirty" when its tracked files differ from it; None outside
-    a git work tree (a `--tx-source` folder from `git archive`: its path names the commit)."""
+    git's tracked files (a `--tx-source` folder from `git archive`: its path names the commit)."""
     def git(*cmd: str) -> subprocess.CompletedProcess:
         return subprocess.run(["git", "-C", folder, *cmd], capture_output=True, text=True)
 
     head = git("rev-parse", "--short", "HEAD")
-    if head.returncode:
+    if head.returncode or not git("ls-files", "--", ".").stdout.strip():  # not tracked: e.g. an archive inside a repo
         return None
     dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".").stdout.strip()
     return head.stdout.strip() + ("+dirty" if dirty else "")
