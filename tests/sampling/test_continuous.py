@@ -70,24 +70,29 @@ def _free_sample(backend) -> list[int]:
     return alone(backend, [free])["free"].sequences[0].tokens
 
 
-def _with_stop(backend, stop: str) -> tuple[types.GeneratedSequence, int]:
-    """The free sample's request with `stop`: its sequence, and the tokens the engine decoded for it."""
+def _with_stop(backend, stop: str, beside: tuple | None = None) -> tuple[dict, int, int]:
+    """The free sample's request ("stop") with `stop` (and request `beside` in the same batch): the outputs, the tokens
+    the engine decoded and those it dropped (sampled for a row already ended, in a call dispatched before the
+    host saw the stop: `paged_async_dispatch`)."""
     stats = backend.sampler.paged.stats
-    before = stats["decode_tokens"]
+    before, dropped = stats["decode_tokens"], stats["decode_tokens_dropped"]
     request = ("stop", "a", [(PROMPTS[2], SP(max_tokens=60, temperature=1.0, seed=9, stop=[stop]))], False, 0)
-    return alone(backend, [request])["stop"].sequences[0], stats["decode_tokens"] - before
+    out = backend.sample(sample_batch([request] + ([beside] if beside else [])))
+    decoded = stats["decode_tokens"] - before
+    # a call dispatched before the host saw the last row end is read (and dropped) by the engine's next iteration
+    flush = ("flush", "", [(PROMPTS[0], SP(max_tokens=1, stop=[]))], False, 0)
+    backend.sample(sample_batch([flush]))
+    return out, decoded, stats["decode_tokens_dropped"] - dropped
 
 
 def _contains(tokens: list[int], seq: list[int]) -> bool:
     return any(tokens[i:i + len(seq)] == seq for i in range(len(tokens) - len(seq) + 1))
 
 
-def test_a_row_ends_at_the_call_that_completes_a_stop_string(backend):
-    """A stop string the model writes with other tokens than the tokenizer's own (so the device cannot see
-    it) ends its row after the decode call that completes it, not at max_tokens: the answer is the free
-    sample cut after the first prefix whose text contains the stop (found here by decoding every prefix),
-    and the engine decoded at most one call (4 steps) past it. The stop straddles a call boundary: its last
-    character comes with the first token of a call, the others with the call before."""
+def _host_only_stop(backend) -> tuple[str, list[int], int]:
+    """A stop string the free sample writes with other tokens than the tokenizer's own (so the device cannot
+    see it), whose last character comes with the first token of a call of 4 steps and the others with the
+    call before; the sample, and the length of its answer cut after the stop."""
     tokens, sampler = _free_sample(backend), backend.sampler
     for end in range(9, 57, 4):  # calls of 4 steps: token end - 1 opens a call
         stop = sampler.decode_text(tokens[:end])[-3:]  # three characters the sample writes by its end-th token
@@ -96,10 +101,37 @@ def test_a_row_ends_at_the_call_that_completes_a_stop_string(backend):
             break
     else:
         pytest.fail("no stop string the device cannot see in the sample")
-    cut = next(n for n in range(1, len(tokens) + 1) if stop in sampler.decode_text(tokens[:n]))
-    got, decoded = _with_stop(backend, stop)
+    return stop, tokens, next(n for n in range(1, len(tokens) + 1) if stop in sampler.decode_text(tokens[:n]))
+
+
+def test_a_row_ends_at_the_call_that_completes_a_stop_string(backend):
+    """A stop string the device cannot see ends its row after the decode call that completes it, not at
+    max_tokens: the answer is the free sample cut after the first prefix whose text contains the stop (found
+    here by decoding every prefix), and the engine decoded at most one call (4 steps) past it. The stop
+    straddles a call boundary. The next call was already dispatched when the host found the stop: it ran on
+    in it, one call (4 tokens, dropped), and no further."""
+    stop, tokens, cut = _host_only_stop(backend)
+    out, decoded, dropped = _with_stop(backend, stop)
+    got = out["stop"].sequences[0]
     assert (got.tokens, got.stop_reason) == (tokens[:cut], "stop")
     assert cut <= decoded < cut + 4, (decoded, cut)
+    assert dropped == 4
+
+
+def test_a_row_ended_on_the_host_runs_on_for_one_call_beside_rows_that_go_on(backend):
+    """As above, beside rows that go on decoding in calls dispatched from the device's state: the ended
+    row's slot is turned off in the first call dispatched after the host saw its stop, so it costs one call
+    (4 dropped tokens), not the rest of its companion's run; both answers are what they are alone."""
+    stop, tokens, cut = _host_only_stop(backend)
+    # 3 rows beside it: 4 slots before it ends and after, so the calls go on being dispatched from the device
+    companion = ("beside", "", [(PROMPTS[0], SP(max_tokens=60, temperature=1.0, seed=4, stop=[]))] * 3, False, 0)
+    want = alone(backend, [companion])["beside"]
+    out, _, dropped = _with_stop(backend, stop, companion)
+    got = out["stop"].sequences[0]
+    assert (got.tokens, got.stop_reason) == (tokens[:cut], "stop")
+    same(out["beside"], want)
+    assert dropped == 4
+    assert backend.sampler.paged.stats["chained_calls"] > 0
 
 
 def test_a_stop_string_in_the_tokenizers_own_tokens_ends_its_row_on_the_device(backend):
@@ -117,9 +149,10 @@ def test_a_stop_string_in_the_tokenizers_own_tokens_ends_its_row_on_the_device(b
         pytest.fail("no 3 tokens of the sample that the tokenizer writes the same way")
     cut = next(n for n in range(1, len(tokens) + 1) if stop in sampler.decode_text(tokens[:n]))
     assert cut == start + 3
-    got, decoded = _with_stop(backend, stop)
+    out, decoded, dropped = _with_stop(backend, stop)
+    got = out["stop"].sequences[0]
     assert (got.tokens, got.stop_reason) == (tokens[:cut], "stop")
-    assert decoded == cut, (decoded, cut)
+    assert (decoded, dropped) == (cut, 0)  # the device ended the row: the call after it ran no step for it
 
 
 def test_calls_run_long_unless_a_request_waits_and_share_one_program(tiny_dirs, backend):
@@ -270,9 +303,9 @@ def test_a_long_call_ends_when_half_the_slots_could_go(tiny_dirs):
     want = alone(b, [short, long])
     calls, decode = [], b.sampler.paged.device.decode
 
-    def spy(live, bound):
+    def spy(live, bound, after=None):
         calls.append((len(live), bound))
-        return decode(live, bound)
+        return decode(live, bound, after)
 
     b.sampler.paged.device.decode = spy
     out = drive(b, [[sample_batch([short]), sample_batch([long])]])

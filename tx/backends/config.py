@@ -104,6 +104,13 @@ class JaxBackendConfig(BaseModel):
                                            "no request waits (one on-device loop that ends early once every row has "
                                            "stopped, and sooner where enough rows reach their max_tokens that the rest "
                                            "fit a smaller slot count; the bound is traced, so both sizes share one program)")
+    paged_async_dispatch: bool = Field(True, description="paged engine: while no request waits to join, dispatch "
+                                       "the next decode call from the device's own slot state (tokens, positions, "
+                                       "stops) before reading the current call's results, so the device does not "
+                                       "wait for the host between calls; a row the host ends on a stop string runs "
+                                       "on in the call already dispatched (its tokens there are dropped), and a "
+                                       "request arriving waits for that call too. False: every decode call waits "
+                                       "for the host to read the one before")
     paged_attention_impl: Literal["blocked", "reference", "pallas"] = Field(
         "blocked", description="paged engine: attention over pages ('blocked': XLA online softmax over KV blocks; "
         "'reference' gathers every page: the oracle; 'pallas': the ragged paged attention Pallas kernel, for TPU, "

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tx.sampling.kv_cache import KVCacheManager, pool_pages
-from tx.sampling.paged_calls import PagedDevice, free_memory_bytes
+from tx.sampling.paged_calls import DecodeCall, PagedDevice, free_memory_bytes
 from tx.sampling.paged_rows import Group, Live, Row, RowResult
 from tx.sampling.requests import SampleRow
 
@@ -68,10 +68,12 @@ class PagedEngine:
         self.kv = KVCacheManager(num_pages, cfg.kv_page_size, source.max_seq_len, cfg.prefix_cache)
         self.slots, self.steps = cfg.max_num_seqs, cfg.decode_steps_per_call
         self.max_steps = max(cfg.decode_steps_per_call, cfg.max_decode_steps_per_call)
-        self.call_steps = self.steps  # this iteration's decode bound (`_iterate`)
+        self.call_steps = self.steps  # this iteration's decode bound (`_schedule`)
+        self.async_dispatch = cfg.paged_async_dispatch
         self.stats = runtime.metrics.sampling  # reported by /api/v1/metrics
         self.stats.update({"prefill_tokens": 0, "prefill_tokens_cached": 0, "decode_tokens": 0, "peak_pages": 0,
-                           "pages_in_use": 0, "calls": 0, "preempted": 0, "kv_cache_pages": num_pages})
+                           "pages_in_use": 0, "calls": 0, "chained_calls": 0, "decode_tokens_dropped": 0,
+                           "preempted": 0, "kv_cache_pages": num_pages})
         self.device = PagedDevice(source, runtime, config, text, self.kv, self.stats, free)
         self._serial = 0
         self.reset()
@@ -90,6 +92,8 @@ class PagedEngine:
         """Forget every row and page (after a failed call the pages and donated pools are in an unknown state)."""
         self.kv.reset()  # only here: the prefix cache lives across calls
         self.device.pools = None
+        self.device.sent.clear()
+        self.inflight: DecodeCall | None = None  # dispatched before the last call was read (`_chain_steps`)
         self.waiting: list[Group] = []  # not admitted, in order (resumed rows first)
         self.prefilling: list[Group] = []  # admitted, prompt not fully written
         self.ready: list[Group] = []  # prompt written, rows waiting for a slot
@@ -140,6 +144,33 @@ class PagedEngine:
     # ---- one iteration ----
 
     def _iterate(self) -> None:
+        call, self.inflight = self.inflight, None
+        if call is not None and not any(lv.alive for lv in call.live):
+            self._read(call)  # every row it holds ended since it was dispatched: what it sampled is dropped
+            call = None
+        if call is None:
+            call = self._schedule()
+        if call is None:
+            return
+        steps = self._chain_steps(call)
+        if steps is not None:  # dispatched before reading `call`: the device goes on while the host reads
+            for lv in self.live:
+                if not self.kv.grow(lv, call.bound + steps):
+                    raise RuntimeError("pages checked for two calls ran short")
+            self.stats["peak_pages"] = max(self.stats["peak_pages"], self.kv.pages_in_use)
+            self.inflight = self.device.decode(call.live, steps, after=call)
+            self.stats["chained_calls"] += 1
+        self._read(call)
+        self.stats["pages_in_use"] = self.kv.pages_in_use  # what a metrics scrape reads between iterations
+
+    def _read(self, call: DecodeCall) -> None:
+        for lv, done, start in self.device.read(call):
+            if done or self._hit_stop_string(lv, start):
+                self._finish(lv)
+
+    def _schedule(self) -> DecodeCall | None:
+        """Admissions, at most one prefill call, then the decode call over the live rows (dispatched, not
+        read), if any row decodes."""
         self.call_steps = self.steps  # admissions reserve pages for a short call
         self._admit_groups()
         self._admit_rows()
@@ -157,13 +188,23 @@ class PagedEngine:
         if self.live:
             self._grow()
             self.stats["peak_pages"] = max(self.stats["peak_pages"], self.kv.pages_in_use)
-        if self.live:
-            live = list(self.live)
-            before = [len(lv.row.result.tokens) for lv in live]
-            for lv, done, start in zip(live, self.device.decode(live, self.call_steps), before):
-                if done or self._hit_stop_string(lv, start):
-                    self._finish(lv)
-        self.stats["pages_in_use"] = self.kv.pages_in_use  # what a metrics scrape reads between iterations
+        self.stats["pages_in_use"] = self.kv.pages_in_use
+        return self.device.decode(self.live, self.call_steps) if self.live else None
+
+    def _chain_steps(self, call: DecodeCall) -> int | None:
+        """The bound of a call over `call`'s slots to dispatch before reading `call` (`paged_async_dispatch`),
+        from its end state on the device; None where the next call waits for the host: a request waits to
+        join, the rows left once those reaching their max_tokens in `call` are gone fit fewer slots (or none
+        is left), or the pool lacks pages for both calls (the next iteration grows or preempts as ever).
+        Rows that end on a stop in `call` are known only when it is read: they run inactive in the next."""
+        if not self.async_dispatch or self.waiting or self.prefilling or self.ready:
+            return None
+        left = [lv.last - lv.pos + 1 - call.bound for lv in call.live if lv.alive]
+        left = [n for n in left if n > 0]
+        if not left or self.device.slot_count(len(left)) != call.slots:
+            return None
+        steps = max(self.steps, min(self.max_steps, self._steps_until_fewer_slots(left)))
+        return next((b for b in (steps, self.steps) if self.kv.can_grow(self.live, call.bound + b)), None)
 
     def _hit_stop_string(self, lv: Live, start: int) -> bool:
         """Whether the tokens `lv` sampled from index `start` on complete one of its stop strings: the row then
@@ -186,21 +227,20 @@ class PagedEngine:
         that the next call can run on fewer slots: until it returns, every slot costs its compute."""
         if self.waiting or self.prefilling or self.ready:
             return
-        self.call_steps = max(self.steps, min(self.max_steps, self._steps_until_fewer_slots()))
+        left = [lv.last - lv.pos + 1 for lv in self.live]
+        self.call_steps = max(self.steps, min(self.max_steps, self._steps_until_fewer_slots(left)))
         if not self.kv.can_grow(self.live, self.call_steps):
             self.call_steps = self.steps
 
-    def _steps_until_fewer_slots(self) -> int:
-        """Decode steps after which so many live rows have written their last token (their max_tokens; EOS
-        and stops come sooner, unforeseen) that the rest fit the next smaller slot count."""
-        n = len(self.live)
-        s = self.device.slot_count(n)
-        smaller = [c for c in self.device.slot_counts if c < s]
-        if not self.live or not smaller:  # cannot shrink: the smallest count (at least the fsdp size)
+    def _steps_until_fewer_slots(self, left: list[int]) -> int:
+        """Decode steps after which so many of the rows that can still take `left` steps each have written
+        their last token (their max_tokens; EOS and stops come sooner, unforeseen) that the rest fit the
+        next smaller slot count."""
+        n = len(left)
+        smaller = [c for c in self.device.slot_counts if c < self.device.slot_count(n)] if n else []
+        if not smaller:  # cannot shrink: the smallest count (at least the fsdp size)
             return self.max_steps
-        keep = smaller[-1]
-        left = sorted(lv.last - lv.pos + 1 for lv in self.live)  # steps each row can still take
-        return left[n - keep - 1]
+        return sorted(left)[n - smaller[-1] - 1]
 
     def _admit_groups(self) -> None:
         """Admit waiting requests (`_next_waiting` first) while the slots can take their rows (the next
@@ -309,6 +349,7 @@ class PagedEngine:
         """Take `lv`'s slot and pages; it resumes later with prompt + its tokens so far as its prompt."""
         self.stats["preempted"] += 1
         self.live.remove(lv)
+        lv.alive = False
         identity = self._resume_identity(lv)
         self.kv.publish(identity, self._written(lv), lv.table)
         self._leave(lv)
@@ -335,6 +376,7 @@ class PagedEngine:
 
     def _finish(self, lv: Live) -> None:
         self.live.remove(lv)
+        lv.alive = False
         self.kv.publish(lv.group.identity, self._written(lv), lv.table)  # its K/V stays reusable
         self._leave(lv)
         self._done.append((lv.row.tag, lv.row.result))

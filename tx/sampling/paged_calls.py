@@ -11,6 +11,7 @@ its devices), stop lists in powers of 2 >= 8, and top-k has one width.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,7 +19,7 @@ import numpy as np
 from tx.runtime import bucket_length, pow2
 from tx.sampling.kv_cache import table_width  # noqa: F401  (also read from here by tx/backends/precompile.py)
 from tx.sampling.layer_copies import LayerCopies
-from tx.sampling.paged_step import PrefillInputs, SlotInputs, decode_steps, prefill_chunk
+from tx.sampling.paged_step import PrefillInputs, SlotInputs, StepOutputs, decode_steps, prefill_chunk
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,21 @@ def free_memory_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
 
 
+@dataclass(eq=False)
+class DecodeCall:
+    """A dispatched decode call: its rows (slot by slot) and bound, its inputs and outputs on the device."""
+
+    live: list[Live]
+    bound: int
+    inp: SlotInputs
+    out: StepOutputs
+    key: tuple  # its program
+
+    @property
+    def slots(self) -> int:
+        return self.inp.token_s.shape[0]
+
+
 class PagedDevice:
     """Page pools `[layers, pages, page, *entry]` per layer stack (the model's `kv_layout`; created at first use,
     donated to every call) and the two device calls over them."""
@@ -150,6 +166,7 @@ class PagedDevice:
                     cfg.paged_decode_layers, platform, runtime.mesh.size, layer_bytes / 2**30, free_bytes / 2**30)
         self.layer_copies = LayerCopies() if self.unrolled else None
         self.pools: list | None = None
+        self.sent: dict[str, tuple[np.ndarray, Any]] = {}  # `_put`: per input, the last host value and its device copy
         self.sequences: dict[str, list[int]] = {}  # stop string -> its device sequence ([]: host check only)
 
     def slot_count(self, live: int) -> int:
@@ -220,39 +237,95 @@ class PagedDevice:
         self.pools = self._call(("sample_prefill", r, c), prefill_chunk, model, self._pools(), inp, layers,
                                 impl=self.impl, kv_block=self.kv_block, layer_defs=layer_defs)
 
-    def decode(self, live: list[Live], bound: int) -> list[bool]:
-        """One call of up to `bound` steps (<= `max_decode_steps_per_call`: a traced value, one program) for
-        the live rows; appends what each sampled to its result and advances its position. Whether each row
-        ended."""
-        s = self.slot_count(len(live))
-        topk = self.topk_width if any(lv.row.spec.options.topk_sample_logprobs for lv in live) else 0
-        stop_width = max(8, pow2(max(len(lv.row.spec.stop_tokens) for lv in live)))
-        # the repetition penalty's token sets, sent only when a row uses one (a program of its own)
-        penalized = any(lv.row.spec.repetition_penalty != 1.0 for lv in live)
-        arrays = self._slot_arrays(live, s, stop_width, penalized)
-        sequences = self._stop_sequence_arrays(live, s)  # likewise, stop strings on the device
-        inp = SlotInputs(**({"presence_sv": None} | self.runtime.put_batch(arrays | sequences)))
-        seq_shape = sequences["stop_seq_sxl"].shape[1:] if sequences else None
+    def decode(self, live: list[Live], bound: int, after: DecodeCall | None = None) -> DecodeCall:
+        """Dispatch one call of up to `bound` steps (<= `max_decode_steps_per_call`: a traced value, one program)
+        for the live rows, without waiting for it (`read` returns its results). `after`: a call over the same
+        rows, dispatched and not yet read: this one starts from that call's end state on the device (each slot's
+        token, position, stops; a slot whose row the host has ended since, `alive` False, runs inactive), so
+        the host sends only the page tables, grown beforehand for both calls."""
+        if after is None:
+            s = self.slot_count(len(live))
+            topk = self.topk_width if any(lv.row.spec.options.topk_sample_logprobs for lv in live) else 0
+            stop_width = max(8, pow2(max(len(lv.row.spec.stop_tokens) for lv in live)))
+            # the repetition penalty's token sets, sent only when a row uses one (a program of its own)
+            penalized = any(lv.row.spec.repetition_penalty != 1.0 for lv in live)
+            arrays = self._slot_arrays(live, s, stop_width, penalized)
+            sequences = self._stop_sequence_arrays(live, s)  # likewise, stop strings on the device
+            inp = SlotInputs(**({"presence_sv": None} | self._put(arrays | sequences)))
+            seq_shape = sequences["stop_seq_sxl"].shape[1:] if sequences else None
+            ahead, key = 0, ("sample_decode", s, self.steps, stop_width, topk, penalized, seq_shape)
+        else:
+            inp, ahead, key = self._continued(live, after), after.bound, after.key[:-1]
         # the furthest position a row's input reaches in this call (a row stops at its last)
-        blocks = self.kv_blocks(max(min(lv.pos + bound - 1, lv.last) for lv in live))
-        key = ("sample_decode", s, self.steps, stop_width, topk, penalized, seq_shape, blocks)
+        blocks = self.kv_blocks(max(min(lv.pos + ahead + bound - 1, lv.last) for lv in live))
+        key += (blocks,)
         model = self.source.model
         # None: the program scans the stacks
         layer_defs, layers = self.layer_copies.get(model) if self.layer_copies else (None, None)
         self.pools, out = self._call(key, decode_steps, model, self._pools(), inp, np.int32(bound),
-                                     layers, steps=self.steps, topk=topk, impl=self.impl, kv_block=self.kv_block,
+                                     layers, steps=self.steps, topk=key[4], impl=self.impl, kv_block=self.kv_block,
                                      kv_blocks=blocks, layer_defs=layer_defs)
+        self.stats["calls"] += 1
+        return DecodeCall(list(live), bound, inp, out, key)
+
+    def _continued(self, live: list[Live], after: DecodeCall) -> SlotInputs:
+        """The inputs of a call continuing `after` on the device: its end state, the rows' grown tables."""
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding
+
+        from tx.models.sharding import batch_spec
+
+        s = after.slots
+        table_sw = np.zeros((s, self.width), np.int32)
+        for j, lv in enumerate(live):
+            table_sw[j, : len(lv.table)] = lv.table
+        zeros = np.zeros(s, np.int32)
+        sent = self._put({"table_sw": table_sw, "copy_src_s": zeros, "copy_dst_s": zeros})
+
+        def laid_out(x):  # the program's outputs as `put_batch` lays inputs out: the same program runs
+            return None if x is None else jax.device_put(x, NamedSharding(self.runtime.mesh, batch_spec(x.ndim)))
+
+        carry = after.out.carry
+        active_s = laid_out(carry.active_s)
+        alive_s = np.zeros(s, bool)
+        alive_s[: len(live)] = [lv.alive for lv in live]
+        if not alive_s[: len(live)].all():  # rows the host ended on a stop string run on no further
+            active_s = jnp.logical_and(active_s, self._put({"alive_s": alive_s})["alive_s"])
+        return after.inp._replace(token_s=laid_out(carry.token_s), pos_s=laid_out(carry.pos_s),
+                                  gen_s=laid_out(carry.gen_s), active_s=active_s,
+                                  presence_sv=laid_out(carry.presence_sv), recent_sl=laid_out(carry.recent_sl),
+                                  **sent)
+
+    def _put(self, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+        """`arrays` on the device: each sent again only where it differs from the last one of its name (while
+        the same rows decode, their sampling parameters, stop lists and most tables stay as they are)."""
+        fresh = {k: v for k, v in arrays.items()
+                 if k not in self.sent or self.sent[k][0].shape != v.shape or not np.array_equal(self.sent[k][0], v)}
+        for k, x in self.runtime.put_batch(fresh).items():
+            self.sent[k] = (fresh[k], x)
+        return {k: self.sent[k][1] for k in arrays}
+
+    def read(self, call: DecodeCall) -> list[tuple[Live, bool, int]]:
+        """Wait for `call`; append what each of its rows still `alive` sampled to its result and advance its
+        position. Those rows, each with whether it ended and how many tokens it had before. (A row the host ended after the call was dispatched,
+        on a stop string only it saw, ran on in it: what it sampled there is dropped.)"""
         from tx.models.sharding import to_host
 
-        tokens_sk, logprobs_sk, new_s, done_s, hit_s, top_ids, top_lps = [None if x is None else to_host(x)
-                                                                          for x in out]
-        self.stats["calls"] += 1
-        finished = []
-        for j, lv in enumerate(live):
-            n, res, q = int(new_s[j]), lv.row.result, lv.row.spec.options.topk_sample_logprobs
+        out = call.out
+        tokens_sk, logprobs_sk, new_s, done_s, hit_s = (to_host(x) for x in out[:5])
+        top_ids, top_lps = (None if x is None else to_host(x) for x in (out.top_ids_skq, out.top_logprobs_skq))
+        rows = []
+        for j, lv in enumerate(call.live):
+            n = int(new_s[j])
+            if not lv.alive:
+                self.stats["decode_tokens_dropped"] += n
+                continue
+            res, q = lv.row.result, lv.row.spec.options.topk_sample_logprobs
+            start = len(res.tokens)
             res.tokens += tokens_sk[j, :n].tolist()
             res.logprobs += logprobs_sk[j, :n].tolist()
-            if topk:
+            if top_ids is not None:
                 res.top_ids += top_ids[j, :n, :q].tolist()
                 res.top_logprobs += top_lps[j, :n, :q].tolist()
             self.stats["decode_tokens"] += n
@@ -260,8 +333,8 @@ class PagedDevice:
             if n:
                 lv.token = res.tokens[-1]
             res.stopped = bool(hit_s[j])
-            finished.append(bool(done_s[j]))
-        return finished
+            rows.append((lv, bool(done_s[j]), start))
+        return rows
 
     def stop_sequences(self, stops: list[str]) -> list[list[int]]:
         """The stop strings' token sequences the device watches for: each string as the tokenizer writes it,

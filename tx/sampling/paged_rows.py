@@ -67,3 +67,4 @@ class Live:
     token: int  # the next input token
     last: int  # the last position this row may write (prompt + max_tokens - 2)
     copy: tuple[int, int] | None = None  # (src, dst) page copy its first decode call makes
+    alive: bool = True  # False once it ended or was preempted (a call dispatched before may still hold its slot)

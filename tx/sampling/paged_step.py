@@ -16,7 +16,8 @@
   with the slot's parameters and the key `fold_in(key(seed), gen)` (gen = tokens the row generated so far,
   so a row's tokens depend on neither its batch nor its slot nor preemption), and stops a slot on a stop token,
   when its last generated tokens equal one of its stop sequences (a rolling window carried through the
-  loop), or at `max_tokens`.
+  loop), or at `max_tokens`. Besides the tokens it returns the slots' state at its end (`Carry`), from
+  which the host may start the next call over the same slots before reading this one's results.
 
 All shapes are fixed by the engine's configuration (slot bucket, steps, stop width, top-k width, and the
 attention's `kv_blocks` bucket when the host picks it), never by request values. The pools are donated:
@@ -68,6 +69,18 @@ class SlotInputs(NamedTuple):
     recent_sl: jax.Array | None = None  # int32 [S, l]
 
 
+class Carry(NamedTuple):
+    """A decode call's slot state at its end: the inputs a next call over the same slots continues from
+    without the host (`PagedDevice.decode`'s `after`)."""
+
+    token_s: jax.Array  # int32 [S]: each slot's next input token
+    pos_s: jax.Array
+    gen_s: jax.Array
+    active_s: jax.Array  # bool [S]: rows still running
+    presence_sv: jax.Array | None
+    recent_sl: jax.Array | None
+
+
 class StepOutputs(NamedTuple):
     tokens_sk: jax.Array  # int32 [S, steps]
     logprobs_sk: jax.Array  # float32 [S, steps]
@@ -76,6 +89,7 @@ class StepOutputs(NamedTuple):
     hit_stop_s: jax.Array  # bool [S]: ... on a stop token
     top_ids_skq: jax.Array | None  # int32 [S, steps, q] with top-k
     top_logprobs_skq: jax.Array | None
+    carry: Carry
 
 
 def prefill_chunk(model, pools: Pools, inp: PrefillInputs, layers: list | None, impl: str, kv_block: int,
@@ -154,7 +168,8 @@ def decode_steps(model, pools: Pools, inp: SlotInputs, bound: jax.Array, layers:
              jnp.zeros((s, steps), jnp.float32), jnp.zeros(s, bool), inp.presence_sv, inp.recent_sl)
     if topk:
         state += (jnp.zeros((s, steps, topk), jnp.int32), jnp.zeros((s, steps, topk), jnp.float32))
-    _, pools, _, _, active_s, gen_s, tokens_sk, logprobs_sk, hit_s, _, _, *top = jax.lax.while_loop(cond, body, state)
+    (_, pools, token_s, pos_s, active_s, gen_s, tokens_sk, logprobs_sk, hit_s, presence_sv, recent_sl,
+     *top) = jax.lax.while_loop(cond, body, state)
     out = StepOutputs(tokens_sk, logprobs_sk, gen_s - inp.gen_s, inp.active_s & ~active_s, hit_s,
-                      *(top or (None, None)))
+                      *(top or (None, None)), Carry(token_s, pos_s, gen_s, active_s, presence_sv, recent_sl))
     return pools, out

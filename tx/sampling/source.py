@@ -29,6 +29,7 @@ class SamplingSettings(Protocol):
     paged_kv_blocks: str
     paged_decode_layers: str
     decode_slot_counts: str
+    paged_async_dispatch: bool
 
 
 @runtime_checkable
