@@ -16,6 +16,14 @@ run; whether they fit and which pages they get, `tx.sampling.kv_cache.KVCacheMan
   `max_decode_steps_per_call` (one device loop either way, ending early once every row has stopped, and cut
   where enough rows reach their max_tokens that the rest fit a smaller slot count). A row
   leaves its slot the call it stops, its pages are freed, and the next waiting row takes the slot.
+- **Async dispatch** (`paged_async_dispatch`). While no request waits to join, the next decode call is
+  dispatched from the current one's end state on the device (each slot's token, position, stops) before the
+  host reads the current one, so the device does not wait for the host between calls; the host then reads
+  the results while it runs. Its pages are grown beforehand for both calls (their upper bound). Not where
+  the rows left after the current call fit fewer slots (the next call waits and packs them), nor where the
+  pool lacks pages for both calls. A row that ends in a call runs inactive in the next one; one the host
+  ends on a stop string the device cannot see runs on in the call already dispatched (its tokens there are
+  dropped) and is turned off in the one after.
 - **Pages on demand, preemption by recompute.** A row holds pages for the tokens it has written plus the
   next call's. Before a decode call every live row, oldest first, gets the pages that call can write;
   when the pool runs out the youngest rows are preempted: their pages are released (published to the
