@@ -172,3 +172,24 @@ def test_a_failure_while_a_call_is_in_flight_fails_the_requests_and_the_engine_r
     fresh = _backend(tiny_dirs["dense"])
     want = fresh.sample(sample_batch([request]))[request[0]].sequences[0].tokens
     assert b.sample(sample_batch([request]))[request[0]].sequences[0].tokens == want
+
+
+def test_penalty_and_min_p_rows_through_chained_calls_equal_the_oracle(engines):
+    """The repetition penalty's token sets and the stop window are carried from call to call on the device:
+    penalized greedy and min-p rows over 30-40 tokens give the tests' oracle's tokens and log-probs."""
+    from tests.sampling import oracle
+
+    chained, _, _ = engines
+    requests = [("rp", "", [(PROMPTS[2], SP(max_tokens=40, temperature=0.0, repetition_penalty=1.5, stop=[]))],
+                 False, 0),
+                ("both", "", [(PROMPTS[1], SP(max_tokens=30, temperature=0.9, min_p=0.05, repetition_penalty=0.8,
+                                               seed=2, stop=[]))] * 2, False, 0),
+                ("plain", "", [(PROMPTS[3], SP(max_tokens=36, temperature=0.0, stop=[]))], False, 0)]
+    before = _chained(chained)
+    got = chained.sample(sample_batch(requests))
+    assert _chained(chained) - before >= 2
+    want = oracle.sample(chained, sample_batch(requests))
+    for request_id, *_ in requests:
+        assert [s.tokens for s in want[request_id].sequences] == [s.tokens for s in got[request_id].sequences]
+        for x, y in zip(want[request_id].sequences, got[request_id].sequences):
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)

@@ -130,7 +130,7 @@ class DecodeCall:
     bound: int
     inp: SlotInputs
     out: StepOutputs
-    key: tuple  # its program
+    key: tuple  # its program: ("sample_decode", slots, steps, stop width, top-k width, penalized, stop seqs, blocks)
 
     @property
     def slots(self) -> int:
@@ -251,7 +251,10 @@ class PagedDevice:
             penalized = any(lv.row.spec.repetition_penalty != 1.0 for lv in live)
             arrays = self._slot_arrays(live, s, stop_width, penalized)
             sequences = self._stop_sequence_arrays(live, s)  # likewise, stop strings on the device
-            inp = SlotInputs(**({"presence_sv": None} | self._put(arrays | sequences)))
+            # the penalty's token sets change every call (and are large): sent as they are
+            presence = {"presence_sv": arrays.pop("presence_sv", None)}
+            inp = SlotInputs(**(self._put(arrays | sequences) | (self.runtime.put_batch(presence)
+                                                                 if penalized else presence)))
             seq_shape = sequences["stop_seq_sxl"].shape[1:] if sequences else None
             ahead, key = 0, ("sample_decode", s, self.steps, stop_width, topk, penalized, seq_shape)
         else:
