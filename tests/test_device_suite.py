@@ -24,7 +24,7 @@ EXPECTED = {
     "a": ["attention_parity_unpacked", "attention_parity_packed", "attention_time_t128"],
     "b": ["lora_train_1_adapter", "lora_train_8_adapters"],
     "c": ["full_train"],
-    "d": ["decode_b1", "decode_b2", "decode_b4", "decode_scan_b1"],
+    "d": ["decode_b1", "decode_b2", "decode_b4", "decode_sync_b1", "decode_scan_b1"],
     "g": ["lora_train_1_adapter", "lora_train_8_adapters", "decode_b1", "decode_b2"],
     "e": ["rl_sample"],
 }
@@ -100,6 +100,10 @@ def test_dry_run_values(dry_run):
         assert "hbm_fraction" in line["d", name] and line["d", name]["prefill_tokens_per_s"] > 0
     assert line["d", "decode_b1"]["shapes"]["paged_attention_impl"] == "blocked"
     assert line["d", "decode_b1"]["shapes"]["decode_layers"] == "unrolled"  # "auto" on one CPU device
+    sync = line["d", "decode_sync_b1"]  # async dispatch off, same backend: the same programs and tokens
+    assert not sync["shapes"]["paged_async_dispatch"] and line["d", "decode_b1"]["shapes"]["paged_async_dispatch"]
+    assert sync["chained_calls"] == 0 and sync["compiles_during_timing"] == 0, sync
+    assert sync["greedy_vs_default"]["identical_rows"] == 2, sync["greedy_vs_default"]
     scan = line["d", "decode_scan_b1"]
     assert scan["shapes"]["decode_layers"] == "scan" and scan["tokens_per_s"] > 0
     assert scan["greedy_vs_default"]["rows"] == 2, scan["greedy_vs_default"]

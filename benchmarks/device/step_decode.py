@@ -8,7 +8,9 @@ benchmarks/bench_sample.py, prefill time is that of a 1-token generation and dec
 decode tokens/s = B (new_tokens - 1) / (total - prefill), `step_time_s` = one decode step. One warm-up
 (compiling) round with other prompts first; medians of `repeats`.
 
-Then the same with `paged_decode_layers="scan"` (the layer scan, which copies every layer's weights out of the
+Then the default config with `paged_async_dispatch` off (every decode call waits for the host to read the one
+before) at `sync_batches`, on the same backend, as `decode_sync_b<B>` (with `greedy_vs_default`); each line
+counts the calls dispatched from the device's state (`chained_calls`). Then `paged_decode_layers="scan"` (the layer scan, which copies every layer's weights out of the
 stack at every step, where "auto" now runs the layers one by one on per-layer copies of their weights on one
 GPU) at `scan_batches`, as `decode_scan_b<B>`; those lines also compare both configs' greedy tokens and
 log-probs on `check_rows` fixed prompts (`greedy_vs_default`).
@@ -102,18 +104,27 @@ def main() -> None:
             default_rows = default_rows or rows
         except Exception as exc:  # noqa: BLE001 - every workload reports it
             error = exc
-        for batch in batches:
-            with results.workload(f"decode_{variant}b{batch}") as row:
+        # the default config also without async dispatch, on the same backend (the same programs)
+        sync = [("sync_", b) for b in w["sync_batches"]] if not variant else []
+        for name, batch in [(variant, b) for b in batches] + sync:
+            with results.workload(f"decode_{name}b{batch}") as row:
                 if error is not None:
                     raise RuntimeError(f"backend setup failed: {type(error).__name__}: {error}")
+                paged = backend.sampler.paged
+                paged.async_dispatch = name != "sync_" and backend.config.paged_async_dispatch
                 row["shapes"] = {"model": MODEL, **vars(m), "batch": batch, "prompt_len": plen, "new_tokens": new,
                                  "rank": rank, "adapters": 1, "dtype": "bfloat16", "engine": "paged",
                                  "paged_attention_impl": "blocked", "max_num_seqs": backend.config.max_num_seqs,
                                  "decode_steps_per_call": backend.config.decode_steps_per_call,
-                                 "decode_layers": "unrolled" if backend.sampler.paged.device.unrolled else "scan"}
+                                 "max_decode_steps_per_call": backend.config.max_decode_steps_per_call,
+                                 "decode_layers": "unrolled" if paged.device.unrolled else "scan",
+                                 "paged_async_dispatch": paged.async_dispatch}
+                chained = backend.metrics.sampling.get("chained_calls", 0)
                 row.update(measure(backend, device, m, rng, batch, plen, new, rank, w["repeats"]))
-                if variant:
-                    row["greedy_vs_default"] = compare_greedy(default_rows, rows)
+                row["chained_calls"] = backend.metrics.sampling.get("chained_calls", 0) - chained
+                if name:
+                    got = rows if variant else greedy_rows(backend, m, plen, check_rows, check_tokens)
+                    row["greedy_vs_default"] = compare_greedy(default_rows, got)
         del backend  # its weights, copies and KV pool leave the device before the next variant's
         gc.collect()
 

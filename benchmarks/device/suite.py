@@ -53,6 +53,7 @@ def step_workloads(dry: bool) -> dict[str, list[str]]:
         "b": lora,
         "c": ["full_train"],
         "d": ([f"decode_b{b}" for b in w["decode"]["batches"]]
+              + [f"decode_sync_b{b}" for b in w["decode"]["sync_batches"]]
               + [f"decode_scan_b{b}" for b in w["decode"]["scan_batches"]]),
         "e": ["rl_sample"],
         "g": lora + [f"decode_b{b}" for b in w["decode"]["torch_batches"]],
@@ -85,7 +86,7 @@ WORK = {
         "lora": dict(rows=8, seq_len=512, rank=32, adapters=8, steps=5, warmup=1),
         "full": dict(rows=4, seq_len=1024, steps=4, warmup=1),
         "decode": dict(batches=[1, 64, 256], torch_batches=[1, 64], prompt_len=128, new_tokens=128, rank=32,
-                       repeats=2, scan_batches=[1], check_rows=8, check_tokens=64),
+                       repeats=2, scan_batches=[1], sync_batches=[1], check_rows=8, check_tokens=64),
         "rl": dict(prompts=32, samples=16, prompt_len=512, max_tokens=[16, 256], rank=32, max_num_seqs=256),
     },
     "dry": {
@@ -94,7 +95,7 @@ WORK = {
         "lora": dict(rows=8, seq_len=16, rank=4, adapters=8, steps=2, warmup=1),
         "full": dict(rows=4, seq_len=16, steps=2, warmup=1),
         "decode": dict(batches=[1, 2, 4], torch_batches=[1, 2], prompt_len=8, new_tokens=8, rank=4, repeats=1,
-                       scan_batches=[1], check_rows=2, check_tokens=8),
+                       scan_batches=[1], sync_batches=[1], check_rows=2, check_tokens=8),
         # one max_tokens: every row ends in the same call, so one decode program (CPU compiles are slow)
         "rl": dict(prompts=4, samples=4, prompt_len=8, max_tokens=[8, 8], rank=4, max_num_seqs=16),
     },
