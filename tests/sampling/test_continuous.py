@@ -155,25 +155,29 @@ def test_a_stop_string_in_the_tokenizers_own_tokens_ends_its_row_on_the_device(b
     assert (decoded, dropped) == (cut, 0)  # the device ended the row: the call after it ran no step for it
 
 
-def test_calls_run_long_unless_a_request_waits_and_share_one_program(tiny_dirs, backend):
-    """With nothing waiting a call runs up to max_decode_steps_per_call (32) steps; while a request waits for
-    the one slot, decode_steps_per_call (4). The bound is traced: one decode program for both, and the
-    tokens are those of the fixed-4-step engine."""
+@pytest.mark.parametrize("async_dispatch", [False, True])
+def test_calls_run_long_unless_a_request_waits_and_share_one_program(tiny_dirs, backend, async_dispatch):
+    """With nothing waiting a call runs up to max_decode_steps_per_call (32) steps, half of it with async
+    dispatch (a request that arrives waits for the call in flight and the one behind it); while a request
+    waits for the one slot, decode_steps_per_call (4). The bound is traced: one decode program for all, and
+    the tokens are those of the fixed-4-step engine."""
     one = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **(PAGED | dict(
-        max_num_seqs=1, max_decode_steps_per_call=32))))
+        max_num_seqs=1, max_decode_steps_per_call=32, paged_async_dispatch=async_dispatch))))
     one.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
     first = ("first", "a", [(PROMPTS[2], SP(max_tokens=60, temperature=1.0, seed=9, stop=[]))], False, 0)
     second = ("second", "a", [(PROMPTS[1], SP(max_tokens=40, temperature=0.7, seed=2, stop=[]))], False, 0)
     want = alone(backend, [first, second])  # 4 steps per call
     calls = lambda: one.metrics.sampling["calls"]  # noqa: E731
     same(one.sample(sample_batch([first]))["first"], want["first"])
-    assert calls() == 2  # 60 tokens: 32 + 28
+    # 60 tokens: 32 + 28, or 16 + 16 + 16 + 12 (each dispatched before the host read the one before)
+    assert (calls(), one.metrics.sampling["chained_calls"]) == ((4, 3) if async_dispatch else (2, 0))
     assert one.metrics.compiles["sample_decode"] == 1
     before = calls()
     out = drive(one, [sample_batch([first, second])])  # second waits for the slot while first decodes
     same(out["first"], want["first"])
     same(out["second"], want["second"])
-    assert calls() - before == 60 // 4 + 2  # first in 4-step calls, then second alone: 32 + 8
+    # first in 4-step calls, then second alone: 32 + 8, or 16 + 16 + 8
+    assert calls() - before == 60 // 4 + (3 if async_dispatch else 2)
     assert one.metrics.compiles["sample_decode"] == 1
 
 

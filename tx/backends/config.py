@@ -109,8 +109,9 @@ class JaxBackendConfig(BaseModel):
                                        "stops) before reading the current call's results, so the device does not "
                                        "wait for the host between calls; a row the host ends on a stop string runs "
                                        "on in the call already dispatched (its tokens there are dropped), and a "
-                                       "request arriving waits for that call too. False: every decode call waits "
-                                       "for the host to read the one before")
+                                       "request arriving waits for that call too, so calls with nothing waiting run "
+                                       "half of max_decode_steps_per_call (a request's wait stays within one such "
+                                       "call). False: every decode call waits for the host to read the one before")
     paged_attention_impl: Literal["blocked", "reference", "pallas"] = Field(
         "blocked", description="paged engine: attention over pages ('blocked': XLA online softmax over KV blocks; "
         "'reference' gathers every page: the oracle; 'pallas': the ragged paged attention Pallas kernel, for TPU, "

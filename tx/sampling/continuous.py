@@ -23,7 +23,9 @@ run; whether they fit and which pages they get, `tx.sampling.kv_cache.KVCacheMan
   the rows left after the current call fit fewer slots (the next call waits and packs them), nor where the
   pool lacks pages for both calls. A row that ends in a call runs inactive in the next one; one the host
   ends on a stop string the device cannot see runs on in the call already dispatched (its tokens there are
-  dropped) and is turned off in the one after.
+  dropped) and is turned off in the one after. A request that arrives waits for the call in flight and the
+  one dispatched behind it, so long calls run half of `max_decode_steps_per_call`: its wait stays within
+  one long call's, as without async dispatch.
 - **Pages on demand, preemption by recompute.** A row holds pages for the tokens it has written plus the
   next call's. Before a decode call every live row, oldest first, gets the pages that call can write;
   when the pool runs out the youngest rows are preempted: their pages are released (published to the
@@ -75,9 +77,12 @@ class PagedEngine:
         num_pages = cfg.kv_cache_pages or self._auto_pages(cfg, free)
         self.kv = KVCacheManager(num_pages, cfg.kv_page_size, source.max_seq_len, cfg.prefix_cache)
         self.slots, self.steps = cfg.max_num_seqs, cfg.decode_steps_per_call
-        self.max_steps = max(cfg.decode_steps_per_call, cfg.max_decode_steps_per_call)
-        self.call_steps = self.steps  # this iteration's decode bound (`_schedule`)
         self.async_dispatch = cfg.paged_async_dispatch
+        # a call's bound when no request waits. With async dispatch a request that arrives waits for the call
+        # in flight and the one dispatched behind it: two calls of half the steps keep that within one call's
+        long_steps = max(cfg.decode_steps_per_call, cfg.max_decode_steps_per_call)
+        self.max_steps = max(self.steps, long_steps // 2) if self.async_dispatch else long_steps
+        self.call_steps = self.steps  # this iteration's decode bound (`_schedule`)
         self.stats = runtime.metrics.sampling  # reported by /api/v1/metrics
         self.stats.update({"prefill_tokens": 0, "prefill_tokens_cached": 0, "decode_tokens": 0, "peak_pages": 0,
                            "pages_in_use": 0, "calls": 0, "chained_calls": 0, "decode_tokens_dropped": 0,

@@ -259,8 +259,8 @@ class PagedDevice:
             ahead, key = 0, ("sample_decode", s, self.steps, stop_width, topk, penalized, seq_shape)
         else:
             inp, ahead, key = self._continued(live, after), after.bound, after.key[:-1]
-        # the furthest position a row's input reaches in this call (a row stops at its last)
-        blocks = self.kv_blocks(max(min(lv.pos + ahead + bound - 1, lv.last) for lv in live))
+        # the furthest position a running row's input reaches in this call (a row stops at its last)
+        blocks = self.kv_blocks(max(min(lv.pos + ahead + bound - 1, lv.last) for lv in live if lv.alive))
         key += (blocks,)
         model = self.source.model
         # None: the program scans the stacks

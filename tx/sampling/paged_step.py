@@ -142,7 +142,10 @@ def decode_steps(model, pools: Pools, inp: SlotInputs, bound: jax.Array, layers:
 
     def body(state):
         k, pools, token_s, pos_s, active_s, gen_s, tokens_sk, logprobs_sk, hit_s, presence_sv, recent_sl, *top = state
-        hidden_s1d, pools = model.paged_forward(token_s[:, None], pos_s[:, None], active_s[:, None], inp.adapter_s,
+        # a stopped slot's query sits at position 0: its K/V goes to the trash page, and its attention does not
+        # extend the loop over KV blocks the active rows need (each row's result is independent of the count)
+        at_s = jnp.where(active_s, pos_s, 0)
+        hidden_s1d, pools = model.paged_forward(token_s[:, None], at_s[:, None], active_s[:, None], inp.adapter_s,
                                                 pools, inp.table_sw, impl, kv_block, kv_blocks, layers)
         logits_sv = model.logits(hidden_s1d, inp.adapter_s)[:, 0]
         next_s, logprob_s, chosen_top = choose(logits_sv, slot_keys(inp.seed_s, gen_s), inp.temperature_s,
