@@ -311,8 +311,9 @@ class PagedDevice:
 
     def read(self, call: DecodeCall) -> list[tuple[Live, bool, int]]:
         """Wait for `call`; append what each of its rows still `alive` sampled to its result and advance its
-        position. Those rows, each with whether it ended and how many tokens it had before. (A row the host ended after the call was dispatched,
-        on a stop string only it saw, ran on in it: what it sampled there is dropped.)"""
+        position. Those rows, each with whether it ended and how many tokens it had before. (A row the host
+        ended after the call was dispatched, on a stop string only it saw, ran on in it: what it sampled there
+        is dropped.)"""
         from tx.models.sharding import to_host
 
         out = call.out
