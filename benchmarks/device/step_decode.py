@@ -9,7 +9,8 @@ decode tokens/s = B (new_tokens - 1) / (total - prefill), `step_time_s` = one de
 (compiling) round with other prompts first; medians of `repeats`.
 
 Then the default config with `paged_async_dispatch` off (every decode call waits for the host to read the one
-before) at `sync_batches`, on the same backend, as `decode_sync_b<B>` (with `greedy_vs_default`); each line
+before) at `sync_batches`, on the same backend (so the same programs and the same call lengths: only the
+dispatch differs), as `decode_sync_b<B>` (with `greedy_vs_default`); each line
 counts the calls dispatched from the device's state (`chained_calls`). Then `paged_decode_layers="scan"` (the
 layer scan, which copies every layer's weights out of the stack at every step, where "auto" now runs the
 layers one by one on per-layer copies of their weights on one GPU) at `scan_batches`, as `decode_scan_b<B>`;
