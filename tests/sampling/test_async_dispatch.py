@@ -193,3 +193,28 @@ def test_penalty_and_min_p_rows_through_chained_calls_equal_the_oracle(engines):
         assert [s.tokens for s in want[request_id].sequences] == [s.tokens for s in got[request_id].sequences]
         for x, y in zip(want[request_id].sequences, got[request_id].sequences):
             np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)
+
+
+def test_calls_go_ahead_while_requests_wait_for_full_slots(tiny_dirs, engines):
+    """4 slots, 7 rows of three requests: while every slot holds a row that runs on past the current call and a
+    prefilled request waits, the next (short) call is dispatched from the device's state; the waiting rows
+    still take the slots as rows end, and every row samples what it samples alone."""
+    _, waiting, _ = engines
+    b = _backend(tiny_dirs["dense"], max_num_seqs=4)
+    requests = [(f"q{i}", "", [(PROMPTS[i], SP(max_tokens=n, temperature=1.0, seed=i, stop=[]))] * k, False, 0)
+                for i, (n, k) in enumerate([(30, 3), (24, 2), (20, 2)])]
+    alone = {r[0]: waiting.sample(sample_batch([r]))[r[0]] for r in requests}
+    paged, decode, queued = b.sampler.paged, b.sampler.paged.device.decode, []
+
+    def spy(live, bound, after=None):
+        if after is not None:
+            queued.append(bool(paged.ready))
+        return decode(live, bound, after)
+
+    b.sampler.paged.device.decode = spy
+    got = b.sample(sample_batch(requests))
+    assert any(queued) and not all(queued), queued  # ahead while rows queued, and after they all had slots
+    for request_id, want in alone.items():
+        assert [s.tokens for s in got[request_id].sequences] == [s.tokens for s in want.sequences]
+        for x, y in zip(got[request_id].sequences, want.sequences):
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)

@@ -104,7 +104,8 @@ class JaxBackendConfig(BaseModel):
                                            "no request waits (one on-device loop that ends early once every row has "
                                            "stopped, and sooner where enough rows reach their max_tokens that the rest "
                                            "fit a smaller slot count; the bound is traced, so both sizes share one program)")
-    paged_async_dispatch: bool = Field(True, description="paged engine: while no request waits to join, dispatch "
+    paged_async_dispatch: bool = Field(True, description="paged engine: while no request waits to join (or every "
+                                       "slot holds a row that runs on and a prefilled request waits), dispatch "
                                        "the next decode call from the device's own slot state (tokens, positions, "
                                        "stops) before reading the current call's results, so the device does not "
                                        "wait for the host between calls; a row the host ends on a stop string runs "

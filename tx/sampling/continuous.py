@@ -16,12 +16,13 @@ run; whether they fit and which pages they get, `tx.sampling.kv_cache.KVCacheMan
   `max_decode_steps_per_call` (one device loop either way, ending early once every row has stopped, and cut
   where enough rows reach their max_tokens that the rest fit a smaller slot count). A row
   leaves its slot the call it stops, its pages are freed, and the next waiting row takes the slot.
-- **Async dispatch** (`paged_async_dispatch`). While no request waits to join, the next decode call is
-  dispatched from the current one's end state on the device (each slot's token, position, stops) before the
-  host reads the current one, so the device does not wait for the host between calls; the host then reads
-  the results while it runs. Its pages are grown beforehand for both calls (their upper bound). Not where
-  the rows left after the current call fit fewer slots (the next call waits and packs them), nor where the
-  pool lacks pages for both calls. A row that ends in a call runs inactive in the next one; one the host
+- **Async dispatch** (`paged_async_dispatch`). While no request waits to join (or while every slot holds a
+  row that runs on past the current call and a prefilled request waits: the host could do nothing else),
+  the next decode call is dispatched from the current one's end state on the device (each slot's token,
+  position, stops) before the host reads the current one, so the device does not wait for the host between
+  calls; the host then reads the results while it runs. Its pages are grown beforehand for both calls
+  (their upper bound). Not where the rows left after the current call fit fewer slots (the next call waits
+  and packs them), nor where the pool lacks pages for both calls. A row that ends in a call runs inactive in the next one; one the host
   ends on a stop string the device cannot see runs on in the call already dispatched (its tokens there are
   dropped) and is turned off in the one after. A request that arrives waits for the call in flight and the
   one dispatched behind it, so long calls run half of `max_decode_steps_per_call`: its wait stays within
@@ -206,13 +207,22 @@ class PagedEngine:
 
     def _chain_steps(self, call: DecodeCall) -> int | None:
         """The bound of a call over `call`'s slots to dispatch before reading `call` (`paged_async_dispatch`),
-        from its end state on the device; None where the next call waits for the host: a request waits to
-        join, the rows left once those reaching their max_tokens in `call` are gone fit fewer slots (or none
-        is left), or the pool lacks pages for both calls (the next iteration grows or preempts as ever).
+        from its end state on the device; None where the next call waits for the host: the pool lacks pages
+        for both calls (the next iteration grows or preempts as ever), a prompt is being prefilled, or
+        - nothing waits, but the rows left once those reaching their max_tokens in `call` are gone fit fewer
+          slots (or none is left);
+        - requests wait, and a row could take a slot the next call: one is free, or a row reaches its
+          max_tokens in `call`, or no prefilled request waits (the next iteration would prefill one). While
+          every slot holds a row that runs on and a prefilled request waits, the host would do nothing but
+          this call (short: `decode_steps_per_call`).
         Rows that end on a stop in `call` are known only when it is read: they run inactive in the next."""
-        if not self.async_dispatch or self.waiting or self.prefilling or self.ready:
+        if not self.async_dispatch or self.prefilling:
             return None
         left = [lv.last - lv.pos + 1 - call.bound for lv in call.live if lv.alive]
+        if self.waiting or self.ready:
+            if len(left) < self.slots or min(left) <= 0 or not self.ready:
+                return None
+            return self.steps if self.kv.can_grow(self.live, call.bound + self.steps) else None
         left = [n for n in left if n > 0]
         if not left or self.device.slot_count(len(left)) != call.slots:
             return None

@@ -1,0 +1,92 @@
+"""Two tx sampling configs side by side in one process: which is faster, beyond one process's noise.
+
+Both backends load the same random checkpoint (bench_peer's shape and writer: transformers' `save_pretrained`),
+compile on one warm-up call each, then run `--calls` rounds; each round samples new prompts (`--batch` rows of
+`--prompt-len` tokens, `--new-tokens` greedy tokens through one adapter) on both, in alternating order. Between
+processes this 2-core VM varies by 5-10% (an A/A run, the same config twice, shows it), which hides effects of
+a few percent; within one process the two configs share the machine's state. One JSON line: per config the
+median and best call time and tokens/s, the ratio b / a of the medians and the median of the rounds' ratios
+(above 1: a is faster), whether the greedy
+tokens were identical in every round, and each backend's sampling counters (calls, chained calls).
+
+    python benchmarks/bench_config_ab.py --a '{}' --b '{"paged_async_dispatch": false}' --batch 8 --new-tokens 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench_peer import TxEngine, peak_rss_mb, write_checkpoint
+from common import add_model_args
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(parser, hidden=768, layers=8, heads=12, kv_heads=4, intermediate=2048, head_dim=64)
+    parser.add_argument("--a", default="{}", help="JSON of JaxBackendConfig fields of config a")
+    parser.add_argument("--b", default="{}", help="JSON of JaxBackendConfig fields of config b")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--calls", type=int, default=6, help="measured rounds (each config once per round)")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, to check the script works")
+    args = parser.parse_args()
+    if args.quick:
+        args.hidden_size, args.num_layers, args.intermediate_size, args.vocab_size = 64, 2, 128, 512
+        args.num_heads, args.num_kv_heads, args.head_dim = 4, 2, 16
+        args.prompt_len, args.new_tokens, args.calls = 16, 12, 2
+    import jax
+
+    configs = {"a": json.loads(args.a), "b": json.loads(args.b)}
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, args.vocab_size, (args.batch, args.prompt_len)).tolist()
+               for _ in range(args.calls + 1)]
+    seq = args.prompt_len + args.new_tokens + 1
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        params = write_checkpoint(model_dir, args)
+        engines = {name: TxEngine(str(model_dir), 1, seq, extra) for name, extra in configs.items()}
+        warmup = {}
+        for name, engine in engines.items():
+            start = time.perf_counter()
+            engine.backend.sample(engine.sample_batch(prompts[-1], 1, [args.new_tokens] * args.batch, 0.0))
+            warmup[name] = round(time.perf_counter() - start, 2)
+        times: dict[str, list[float]] = {"a": [], "b": []}
+        identical = True
+        for i in range(args.calls):
+            tokens = {}
+            for name in ("a", "b") if i % 2 == 0 else ("b", "a"):
+                engine = engines[name]
+                request = engine.sample_batch(prompts[i], 1, [args.new_tokens] * args.batch, 0.0)
+                start = time.perf_counter()
+                out = engine.backend.sample(request)
+                times[name].append(time.perf_counter() - start)
+                tokens[name] = [s.tokens for key in sorted(out) for s in out[key].sequences]
+            identical &= tokens["a"] == tokens["b"]
+    generated = args.batch * args.new_tokens
+    line = {"workload": "config_ab", "shapes": {"hidden": args.hidden_size, "layers": args.num_layers,
+                                                "vocab": args.vocab_size, "batch": args.batch,
+                                                "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                                                "params": params},
+            "configs": configs, "calls": args.calls, "identical_tokens": identical, "warmup_s": warmup,
+            "peak_rss_mb": peak_rss_mb(), "jax": jax.__version__, "device": jax.devices()[0].platform}
+    for name, ts in times.items():
+        counters = engines[name].backend.metrics.sampling
+        line[name] = {"median_s": round(statistics.median(ts), 4), "best_s": round(min(ts), 4),
+                      "tokens_per_s": round(generated / statistics.median(ts), 2),
+                      "times_s": [round(t, 3) for t in ts],
+                      "calls": counters.get("calls"), "chained_calls": counters.get("chained_calls")}
+    line["ratio_b_over_a_time"] = round(statistics.median(times["b"]) / statistics.median(times["a"]), 4)
+    line["ratio_b_over_a_paired"] = round(statistics.median(b / a for a, b in zip(times["a"], times["b"])), 4)
+    print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
