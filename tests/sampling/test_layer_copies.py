@@ -30,6 +30,8 @@ def test_copies_match_the_stacks_and_are_reused_while_unchanged():
     model = Model(a=stacked(0), b=stacked(1))
     copies = LayerCopies()
     defs, layers = copies.get(model)
+    assert layers.head_vd is None  # the default layout copies no head
+    layers = layers.stacks
     states = layer_states(defs, layers)
     assert len(states) == 1 and len(states[0]) == 3
     for i, state in enumerate(states[0]):
@@ -37,13 +39,13 @@ def test_copies_match_the_stacks_and_are_reused_while_unchanged():
             np.testing.assert_array_equal(np.asarray(state[name]), np.asarray(model.state[name][i]))
     assert copies.copied == 2
     again_defs, again = copies.get(model)
-    assert again_defs == defs and again[0] is layers[0] and copies.copied == 2  # nothing copied or assembled
+    assert again_defs == defs and again.stacks[0] is layers[0] and copies.copied == 2  # nothing copied or assembled
 
 
 def test_a_replaced_leaf_is_copied_again_and_its_stale_copies_are_freed_first(monkeypatch):
     model = Model(a=stacked(0), b=stacked(1))
     copies = LayerCopies()
-    _, layers = copies.get(model)
+    layers = copies.get(model)[1].stacks
     kept_b = layers[0][0][1]  # leaves in tree order: a, b
     stale = [weakref.ref(layer[0]) for layer in layers[0]] + [weakref.ref(layer[1]) for layer in layers[0]]
     del layers
@@ -58,10 +60,89 @@ def test_a_replaced_leaf_is_copied_again_and_its_stale_copies_are_freed_first(mo
         return unstack(leaf)
 
     monkeypatch.setattr(layer_copies, "_unstack", watched)
-    defs, layers = copies.get(model)
+    defs, (layers, _) = copies.get(model)
     assert made == [6, 3], made  # a's 3 stale copies were freed before b's new ones were made
     assert copies.copied == 4 and layers[0][0][1] is not kept_b
     np.testing.assert_array_equal(np.asarray(layer_states(defs, layers)[0][2]["b"]), np.asarray(model.state["b"][2]))
     model.state = {"a": model.state["a"], "b": stacked(4)}  # one leaf new (a LoRA update): only it is copied
-    _, again = copies.get(model)
+    again = copies.get(model)[1].stacks
     assert copies.copied == 5 and again[0][1][0] is layers[0][1][0]
+
+
+class MlpModel:
+    """`scanned_states()` of one stack of 3 LoRA MLP layers plus an attention-like `q_proj`, and an LM head kernel."""
+
+    def __init__(self, head_dv):
+        from flax import nnx
+
+        from tx.models.layers.lora import LoRALinear
+        from tx.models.layers.mlp import MLP
+
+        class Layer(nnx.Module):
+            def __init__(self, stack, rngs):
+                self.mlp = MLP(8, 24, num_adapters=2, rank=2, stack=stack, dtype=jnp.float32, rngs=rngs)
+                self.q_proj = LoRALinear(8, 8, num_adapters=2, rank=2, stack=stack, rngs=rngs)
+
+        self.graphdef = nnx.split(Layer((), nnx.Rngs(0)))[0]  # one layer's module, for `nnx.merge`
+        rng = np.random.default_rng(1)  # every leaf random, LoRA factors and scales too: all of it computes
+        self.state = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype),
+                                  nnx.state(Layer((3,), nnx.Rngs(1))))
+        self.head_dv = head_dv
+
+    def scanned_states(self):
+        return [self.state]
+
+    def head_kernel(self):
+        return self.head_dv
+
+
+def test_out_in_copies_store_mlp_kernels_and_the_head_transposed_and_compute_the_same():
+    """The CPU layout: the MLP kernels' copies are `[out, in]` (`OutInKernel`, which `LoRALinear` contracts on
+    its last axis), other leaves as stacked; an untied head gets one `[vocab, d]` copy, made again only when the
+    model holds a new head. Each layer computes what the model's own layer slice computes."""
+    from flax import nnx
+
+    from tx.models.layers.lora import OutInKernel
+
+    head_dv = stacked(5, layers=8)[:, 0]  # [d 8, vocab 4]
+    model = MlpModel(head_dv)
+    copies = LayerCopies(out_in=True)
+    defs, got = copies.get(model)
+    np.testing.assert_array_equal(np.asarray(got.head_vd), np.asarray(head_dv).T)
+    layers = layer_states(defs, got.stacks)[0]
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 3, 8)), jnp.float32)
+    adapter = jnp.asarray([0, 1])
+    for i, layer in enumerate(layers):
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            kernel = layer["mlp"][name]["kernel"]
+            assert isinstance(kernel, OutInKernel)
+            np.testing.assert_array_equal(np.asarray(kernel[...]), np.asarray(model.state["mlp"][name]["kernel"][...][i]).T)
+        assert type(layer["q_proj"]["kernel"]) is nnx.Param  # attention keeps [in, out] (no faster on CPU)
+        sliced = jax.tree.map(lambda a: a[i], model.state)
+        mine, want = nnx.merge(model.graphdef, layer), nnx.merge(model.graphdef, sliced)
+        want_out = np.asarray(want.mlp(x, adapter))
+        assert np.abs(want_out).max() > 1.0
+        np.testing.assert_allclose(np.asarray(mine.mlp(x, adapter)), want_out, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(mine.q_proj(x, adapter)), np.asarray(want.q_proj(x, adapter)))
+    made = copies.copied
+    assert copies.get(model)[1].head_vd is got.head_vd and copies.copied == made  # unchanged: nothing copied
+    model.head_dv = stacked(6, layers=8)[:, 0]  # a full-weight step trained the head
+    again = copies.get(model)[1]
+    assert copies.copied == made + 1 and again.stacks[0] is got.stacks[0]
+    np.testing.assert_array_equal(np.asarray(again.head_vd), np.asarray(model.head_dv).T)
+    model.head_dv = None  # tied: the head is the embedding, already `[vocab, d]`
+    assert copies.get(model)[1].head_vd is None
+
+
+def test_out_in_leaves_expert_kernels_as_they_are():
+    """MoE experts' `gate_proj` kernels (`[layers, experts, in, out]`) keep their layout: `ExpertLinear` reads them
+    through the grouped matmuls."""
+    from flax import nnx
+
+    experts = nnx.Param(jnp.asarray(np.random.default_rng(3).standard_normal((2, 4, 8, 6)), jnp.float32))
+    model = Model(experts={"gate_proj": {"kernel": experts}})
+    model.head_kernel = lambda: None
+    defs, got = LayerCopies(out_in=True).get(model)
+    layer = layer_states(defs, got.stacks)[0][1]
+    assert type(layer["experts"]["gate_proj"]["kernel"]) is nnx.Param
+    np.testing.assert_array_equal(np.asarray(layer["experts"]["gate_proj"]["kernel"][...]), np.asarray(experts[...][1]))

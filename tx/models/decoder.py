@@ -204,9 +204,15 @@ class LMHead(nnx.Module):
         w_dv = embedding_vd.T if self.kernel is None else self.kernel[...]
         return self.shard.gathered(w_dv, ("embed", "vocab"))
 
-    def __call__(self, h_btd: jax.Array, embedding_vd: jax.Array, adapter_b: jax.Array | None) -> jax.Array:
-        """float32 logits [b, t, vocab]."""
-        logits_btv = jnp.dot(h_btd, self.weight(embedding_vd), preferred_element_type=jnp.float32)
+    def __call__(self, h_btd: jax.Array, embedding_vd: jax.Array, adapter_b: jax.Array | None,
+                 kernel_vd: jax.Array | None = None) -> jax.Array:
+        """float32 logits [b, t, vocab]. `kernel_vd`: a copy of the untied kernel stored `[vocab, d]` (decode's on
+        CPU, `tx.sampling.layer_copies`), read instead of the kernel."""
+        if kernel_vd is None:
+            logits_btv = jnp.dot(h_btd, self.weight(embedding_vd), preferred_element_type=jnp.float32)
+        else:
+            kernel_vd = self.shard.gathered(kernel_vd, ("vocab", "embed"))
+            logits_btv = jnp.einsum("btd,vd->btv", h_btd, kernel_vd, preferred_element_type=jnp.float32)
         logits_btv = self.shard.constrain(logits_btv, ("batch", "length", "vocab"))
         if adapter_b is not None:
             logits_btv = add_lora_head_delta(  # in place, vocab block by block: no per-row B
@@ -345,9 +351,15 @@ class DecoderLM(nnx.Module):
             kvs.append(kv)
         return self.norm(x_btd), kvs
 
-    def logits(self, h_btd: jax.Array, adapter_indices_b: jax.Array | None) -> jax.Array:
-        """float32 logits [b, t, vocab] (small t: sampling, tests; training uses `target_logprobs`)."""
-        return self.lm_head(h_btd, self.embed_tokens.embedding[...], adapter_indices_b)
+    def logits(self, h_btd: jax.Array, adapter_indices_b: jax.Array | None,
+               head_vd: jax.Array | None = None) -> jax.Array:
+        """float32 logits [b, t, vocab] (small t: sampling, tests; training uses `target_logprobs`). `head_vd`: the
+        untied LM head's kernel as a `[vocab, d]` copy (`LMHead`)."""
+        return self.lm_head(h_btd, self.embed_tokens.embedding[...], adapter_indices_b, head_vd)
+
+    def head_kernel(self) -> jax.Array | None:
+        """The untied LM head's kernel `[d, vocab]`; None when the head is the embedding (tied)."""
+        return None if self.lm_head.kernel is None else self.lm_head.kernel[...]
 
     def head_lora_scale(self) -> jax.Array:
         """float32 [A]: each adapter slot's LM-head LoRA scale (0 where the slot does not train the head, whose

@@ -10,17 +10,34 @@ adapter's LoRA leaves (small), and the base weights (the bulk) are copied once. 
 weak reference (identity is the check, and a replaced stack is freed as usual); JAX arrays are immutable
 and every update makes new ones, so an unchanged identity means unchanged values.
 
-Memory: one more copy of the layer weights (`Qwen3.layer_bytes()`), held while the engine lives; the
-"auto" rule (`paged_calls.decode_layers_unrolled`) takes unrolled decode only where that is at most a
-quarter of the free memory.
+Layout (`out_in`, on CPU): the MLP kernels' copies are stored `[out, in]` (`OutInKernel`, read by `LoRALinear`),
+and an untied LM head gets a `[vocab, d]` copy, which decode programs of two or more rows read: XLA's CPU
+matmul of 2-64 rows reads a weight 1.15-1.3x faster so (bench_peer's 100M shape, 8 rows: the 32-step call
+1.01-1.14x, 64 rows 1.06x; one row as fast either way, and the head's one-row product ~5% slower, so it
+keeps the model's kernel). Other platforms' matmuls take either layout at the same cost.
+
+Memory: one more copy of the layer weights (`Qwen3.layer_bytes()`), and of an untied head with `out_in`,
+held while the engine lives; the "auto" rule (`paged_calls.decode_layers_unrolled`) takes unrolled decode
+only where that is at most a quarter of the free memory.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+from flax import nnx
+
+from tx.models.layers.lora import OUT_IN_MODULES, OutInKernel
+
+
+class Copies(NamedTuple):
+    """What a decode or prefill call takes: per stack, each layer's leaves; the untied head as `[vocab, d]` (with
+    `out_in`), else None."""
+
+    stacks: list[list[list[jax.Array]]]
+    head_vd: jax.Array | None
 
 
 @jax.jit
@@ -28,49 +45,88 @@ def _unstack(stacked: jax.Array) -> list[jax.Array]:
     return [stacked[i] for i in range(stacked.shape[0])]
 
 
+@jax.jit
+def _unstack_out_in(stacked_lio: jax.Array) -> list[jax.Array]:
+    return [stacked_lio[i].T for i in range(stacked_lio.shape[0])]
+
+
+_transpose = jax.jit(lambda w: w.T)
+
+
+def _layout(state: Any, out_in: bool) -> tuple[Any, list[bool]]:
+    """The tree structure of one layer's copies and, per leaf, whether its copy is stored `[out, in]`: with
+    `out_in`, the dense `OUT_IN_MODULES` kernels (`[layers, in, out]` stacks; MoE experts keep their layout)."""
+    transposed: list[bool] = []
+
+    def visit(path, var):
+        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        flip = (out_in and len(names) >= 2 and names[-1] == "kernel" and names[-2] in OUT_IN_MODULES
+                and var[...].ndim == 3)
+        transposed.append(flip)
+        return OutInKernel(var[...]) if flip else var
+
+    mapped = jax.tree_util.tree_map_with_path(visit, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.structure(mapped), transposed
+
+
 class _Stack:
     """One stack's copies: per leaf, the stacked array it was copied from (by weak reference) and its per-layer
     copies; and those copies assembled per layer (what a decode call takes)."""
 
-    def __init__(self, leaves: int) -> None:
-        self.sources: list[weakref.ref | None] = [None] * leaves
-        self.copies: list[list[jax.Array] | None] = [None] * leaves
+    def __init__(self, treedef: Any, transposed: list[bool]) -> None:
+        self.treedef, self.transposed = treedef, transposed
+        self.sources: list[weakref.ref | None] = [None] * len(transposed)
+        self.copies: list[list[jax.Array] | None] = [None] * len(transposed)
         self.layers: list[list[jax.Array]] | None = None
 
 
 class LayerCopies:
-    """The copies one engine keeps (`get` per decode call)."""
+    """The copies one engine keeps (`get` per decode call); `out_in`: in the CPU layout (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, out_in: bool = False) -> None:
+        self.out_in = out_in
         self._stacks: dict[int, _Stack] = {}
+        self._head: tuple[weakref.ref, jax.Array] | None = None  # the head kernel copied, its copy
         self.copied = 0  # stacked leaves copied so far (tests and metrics: base weights only once)
 
-    def get(self, model: Any) -> tuple[tuple[Any, ...], list[list[list[jax.Array]]]]:
-        """Per stack of `model` (`scanned_states()`): the tree structure of one layer's state (a static argument
-        of the decode program, `unflatten` there) and each layer's leaves. Plain lists, not per-layer states:
-        flattening 28 `nnx.State`s at every call cost ~11 ms on the host, a list of arrays ~0.1 ms. A leaf is
-        copied again only when the model holds a new array for it; unchanged stacks reuse their lists."""
+    def get(self, model: Any) -> tuple[tuple[Any, ...], Copies]:
+        """Per stack of `model` (`scanned_states()`): the tree structure of one layer's copies (a static argument
+        of the decode program, `unflatten` there) and each layer's leaves; the head's copy. Plain lists, not
+        per-layer states: flattening 28 `nnx.State`s at every call cost ~11 ms on the host, a list of arrays
+        ~0.1 ms. A leaf is copied again only when the model holds a new array for it; unchanged stacks reuse
+        their lists."""
         defs, out = [], []
         for s, state in enumerate(model.scanned_states()):
-            leaves, treedef = jax.tree.flatten(state)
-            defs.append(treedef)
+            leaves = jax.tree.leaves(state)
             stack = self._stacks.get(s)
             if stack is None or len(stack.sources) != len(leaves):
-                stack = self._stacks[s] = _Stack(len(leaves))
+                stack = self._stacks[s] = _Stack(*_layout(state, self.out_in))
+            defs.append(stack.treedef)
             stale = [j for j, leaf in enumerate(leaves) if stack.sources[j] is None or stack.sources[j]() is not leaf]
             if stale:
                 # the per-layer lists go first: each stale leaf's copies are freed as its new ones are made (after
                 # a full-weight optimizer step, every leaf), never a whole second set at once
                 stack.layers = None
                 for j in stale:
-                    stack.sources[j], stack.copies[j] = weakref.ref(leaves[j]), _unstack(leaves[j])
+                    unstack = _unstack_out_in if stack.transposed[j] else _unstack
+                    stack.sources[j], stack.copies[j] = weakref.ref(leaves[j]), unstack(leaves[j])
                     self.copied += 1
             if stack.layers is None:
                 stack.layers = [list(layer) for layer in zip(*stack.copies)]
             out.append(stack.layers)
-        return tuple(defs), out
+        return tuple(defs), Copies(out, self._head_copy(model))
+
+    def _head_copy(self, model: Any) -> jax.Array | None:
+        head_dv = model.head_kernel() if self.out_in else None
+        if head_dv is None:
+            return None
+        if self._head is None or self._head[0]() is not head_dv:
+            self._head = None  # the old copy goes before the new one is made
+            self._head = weakref.ref(head_dv), _transpose(head_dv)
+            self.copied += 1
+        return self._head[1]
 
 
 def layer_states(defs: tuple[Any, ...], layers: list[list[list[jax.Array]]]) -> list[list[Any]]:
-    """`LayerCopies.get`'s output as per stack, its state one layer at a time (inside the decode program)."""
+    """`LayerCopies.get`'s stacks as per stack, its state one layer at a time (inside the decode program)."""
     return [[jax.tree.unflatten(treedef, leaves) for leaves in stack] for treedef, stack in zip(defs, layers)]

@@ -157,14 +157,17 @@ class PagedDevice:
         self.slot_counts = slot_counts(self.slots, self.fsdp, self.quarters)  # a decode call's, ascending
         self.topk_width = pow2(cfg.max_topk_prompt_logprobs)  # topk_sample_logprobs are bounded by it
         self.stats = stats
-        layer_bytes = source.model.layer_bytes()
-        self.unrolled = decode_layers_unrolled(cfg.paged_decode_layers, platform, runtime.mesh.size, layer_bytes,
+        out_in = platform == "cpu"  # the copies in the layout CPU matmuls read fastest (tx/sampling/layer_copies.py)
+        head_dv = source.model.head_kernel() if out_in else None
+        copy_bytes = source.model.layer_bytes() + (0 if head_dv is None else head_dv.addressable_shards[0].data.nbytes)
+        self.unrolled = decode_layers_unrolled(cfg.paged_decode_layers, platform, runtime.mesh.size, copy_bytes,
                                                free_bytes)
         # said once per engine: the unrolled layout holds a second copy of the layer weights on the device
-        logger.info("paged decode: %s (paged_decode_layers=%r, %s x%d; the copies: %.2f GiB, free: %.2f GiB)",
+        logger.info("paged decode: %s (paged_decode_layers=%r, %s x%d; the copies: %.2f GiB%s, free: %.2f GiB)",
                     "layers unrolled on per-layer weight copies" if self.unrolled else "layer scan over the stacks",
-                    cfg.paged_decode_layers, platform, runtime.mesh.size, layer_bytes / 2**30, free_bytes / 2**30)
-        self.layer_copies = LayerCopies() if self.unrolled else None
+                    cfg.paged_decode_layers, platform, runtime.mesh.size, copy_bytes / 2**30,
+                    ", MLP kernels and head [out, in]" if out_in else "", free_bytes / 2**30)
+        self.layer_copies = LayerCopies(out_in) if self.unrolled else None
         self.pools: list | None = None
         self.sent: dict[str, tuple[np.ndarray, Any]] = {}  # `_put`: per input, the last host value and its device copy
         self.sequences: dict[str, list[int]] = {}  # stop string -> its device sequence ([]: host check only)
@@ -233,8 +236,9 @@ class PagedDevice:
         model = self.source.model
         # (r, c) decides: one program each
         unrolled = self.layer_copies is not None and r * c <= PREFILL_UNROLLED_TOKENS
-        layer_defs, layers = self.layer_copies.get(model) if unrolled else (None, None)
-        self.pools = self._call(("sample_prefill", r, c), prefill_chunk, model, self._pools(), inp, layers,
+        layer_defs, copies = self.layer_copies.get(model) if unrolled else (None, None)
+        self.pools = self._call(("sample_prefill", r, c), prefill_chunk, model, self._pools(), inp,
+                                copies and copies.stacks,
                                 impl=self.impl, kv_block=self.kv_block, layer_defs=layer_defs)
 
     def decode(self, live: list[Live], bound: int, after: DecodeCall | None = None) -> DecodeCall:
@@ -264,9 +268,9 @@ class PagedDevice:
         key += (blocks,)
         model = self.source.model
         # None: the program scans the stacks
-        layer_defs, layers = self.layer_copies.get(model) if self.layer_copies else (None, None)
+        layer_defs, copies = self.layer_copies.get(model) if self.layer_copies else (None, None)
         self.pools, out = self._call(key, decode_steps, model, self._pools(), inp, np.int32(bound),
-                                     layers, steps=self.steps, topk=key[4], impl=self.impl, kv_block=self.kv_block,
+                                     copies, steps=self.steps, topk=key[4], impl=self.impl, kv_block=self.kv_block,
                                      kv_blocks=blocks, layer_defs=layer_defs)
         self.stats["calls"] += 1
         return DecodeCall(list(live), bound, inp, out, key)

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from tx.sampling.filters import choose, mark_present
-from tx.sampling.layer_copies import layer_states
+from tx.sampling.layer_copies import Copies, layer_states
 
 Pools = list[tuple[jax.Array, ...]]  # per layer stack: its pools (`kv_layout`)
 
@@ -120,15 +120,16 @@ def slot_keys(seed_s: jax.Array, gen_s: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, g: jax.random.fold_in(jax.random.key(s), g))(seed_s.astype(jnp.uint32), gen_s)
 
 
-def decode_steps(model, pools: Pools, inp: SlotInputs, bound: jax.Array, layers: list | None, steps: int, topk: int,
-                 impl: str, kv_block: int, kv_blocks: int | None = None,
+def decode_steps(model, pools: Pools, inp: SlotInputs, bound: jax.Array, copies: Copies | None, steps: int,
+                 topk: int, impl: str, kv_block: int, kv_blocks: int | None = None,
                  layer_defs: tuple | None = None) -> tuple[Pools, StepOutputs]:
     s = inp.token_s.shape[0]
-    # `layers` (unrolled decode): per stack, its weights one layer at a time as leaves of `layer_defs`
+    # `copies` (unrolled decode): per stack, its weights one layer at a time as leaves of `layer_defs`
     # (tx/sampling/layer_copies.py); each step runs the layers one by one on them. None: the model's stacks
-    # under `lax.scan`.
-    if layers is not None:
-        layers = layer_states(layer_defs, layers)
+    # under `lax.scan`. Its `[vocab, d]` head (CPU) serves two or more rows; one row reads the model's kernel.
+    layers, head_vd = None, None
+    if copies is not None:
+        layers, head_vd = layer_states(layer_defs, copies.stacks), copies.head_vd if s > 1 else None
     # before any slot reads its pages; the page ids go to every device (each fsdp replica of the pools copies
     # every pair locally, instead of gathering the copied pages of the other rows' shards)
     src_s, dst_s = (model.layout.constrain(x, (None,)) for x in (inp.copy_src_s, inp.copy_dst_s))
@@ -147,7 +148,7 @@ def decode_steps(model, pools: Pools, inp: SlotInputs, bound: jax.Array, layers:
         at_s = jnp.where(active_s, pos_s, 0)
         hidden_s1d, pools = model.paged_forward(token_s[:, None], at_s[:, None], active_s[:, None], inp.adapter_s,
                                                 pools, inp.table_sw, impl, kv_block, kv_blocks, layers)
-        logits_sv = model.logits(hidden_s1d, inp.adapter_s)[:, 0]
+        logits_sv = model.logits(hidden_s1d, inp.adapter_s, head_vd)[:, 0]
         next_s, logprob_s, chosen_top = choose(logits_sv, slot_keys(inp.seed_s, gen_s), inp.temperature_s,
                                                inp.top_k_s, inp.top_p_s, topk, inp.min_p_s,
                                                inp.penalty_s if penalized else None, presence_sv)

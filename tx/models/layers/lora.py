@@ -37,6 +37,15 @@ class LoraScale(nnx.Variable):
     """Per-adapter scaling alpha / rank of one module (not trained)."""
 
 
+class OutInKernel(nnx.Variable):
+    """A copy of a `LoRALinear` kernel stored `[out, in]`, never a model parameter: unrolled decode keeps its
+    MLP kernels so on CPU (`tx.sampling.layer_copies`), where XLA's matmul of 2-64 rows reads a weight
+    1.15-1.3x faster in this layout than `[in, out]`, and one row at the same speed."""
+
+
+OUT_IN_MODULES = ("gate_proj", "up_proj", "down_proj")  # the LoRALinear kernels such copies transpose
+
+
 def lora_variables(
     stack: tuple[int, ...], num_adapters: int, rank: int, in_f: int, out_f: int, experts: tuple[int, ...] = ()
 ) -> tuple[LoraA, LoraB, LoraScale]:
@@ -73,13 +82,17 @@ class LoRALinear(nnx.Module):
 
     def __call__(self, x_bti: jax.Array, adapter_b: jax.Array | None) -> jax.Array:
         """`adapter_b` [b] picks each row's adapter; None computes the base layer only."""
-        kernel_io, lora_a_air, lora_b_aro = self.kernel[...], self.lora_a[...], self.lora_b[...]
+        kernel, lora_a_air, lora_b_aro = self.kernel[...], self.lora_a[...], self.lora_b[...]
+        out_in = isinstance(self.kernel, OutInKernel)
         if self.axes is not None:
             i, o = self.axes
-            kernel_io = self.shard.gathered(kernel_io, (i, o))
+            kernel = self.shard.gathered(kernel, (o, i) if out_in else (i, o))
             lora_a_air = self.shard.gathered(lora_a_air, ("adapter", i, "rank"))
             lora_b_aro = self.shard.gathered(lora_b_aro, ("adapter", "rank", o))
-        y_bto = jnp.dot(x_bti, kernel_io, preferred_element_type=jnp.float32)
+        if out_in:
+            y_bto = jnp.einsum("bti,oi->bto", x_bti, kernel, preferred_element_type=jnp.float32)
+        else:
+            y_bto = jnp.dot(x_bti, kernel, preferred_element_type=jnp.float32)
         if adapter_b is not None:
             y_bto = y_bto + lora_delta_rows(x_bti, adapter_b, lora_a_air, lora_b_aro, self.lora_scale[...])
         return y_bto.astype(x_bti.dtype)
