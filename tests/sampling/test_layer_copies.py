@@ -116,7 +116,8 @@ def test_out_in_copies_store_mlp_kernels_and_the_head_transposed_and_compute_the
         for name in ("gate_proj", "up_proj", "down_proj"):
             kernel = layer["mlp"][name]["kernel"]
             assert isinstance(kernel, OutInKernel)
-            np.testing.assert_array_equal(np.asarray(kernel[...]), np.asarray(model.state["mlp"][name]["kernel"][...][i]).T)
+            stacked_io = np.asarray(model.state["mlp"][name]["kernel"][...])
+            np.testing.assert_array_equal(np.asarray(kernel[...]), stacked_io[i].T)
         assert type(layer["q_proj"]["kernel"]) is nnx.Param  # attention keeps [in, out] (no faster on CPU)
         sliced = jax.tree.map(lambda a: a[i], model.state)
         mine, want = nnx.merge(model.graphdef, layer), nnx.merge(model.graphdef, sliced)
