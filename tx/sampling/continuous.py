@@ -24,9 +24,9 @@ run; whether they fit and which pages they get, `tx.sampling.kv_cache.KVCacheMan
   (their upper bound). Not where the rows left after the current call fit fewer slots (the next call waits
   and packs them), nor where the pool lacks pages for both calls. A row that ends in a call runs inactive in
   the next one; one the host ends on a stop string the device cannot see runs on in the call already
-  dispatched (its tokens there are dropped) and is turned off in the one after. A request that arrives waits for the call in flight and the
-  one dispatched behind it, so long calls run half of `max_decode_steps_per_call`: its wait stays within
-  one long call's, as without async dispatch.
+  dispatched (its tokens there are dropped) and is turned off in the one after. A request that arrives
+  waits for the call in flight and the one dispatched behind it, so long calls run half of
+  `max_decode_steps_per_call`: its wait stays within one long call's, as without async dispatch.
 - **Pages on demand, preemption by recompute.** A row holds pages for the tokens it has written plus the
   next call's. Before a decode call every live row, oldest first, gets the pages that call can write;
   when the pool runs out the youngest rows are preempted: their pages are released (published to the

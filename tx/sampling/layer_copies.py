@@ -12,9 +12,9 @@ and every update makes new ones, so an unchanged identity means unchanged values
 
 Layout (`out_in`, on CPU): the MLP kernels' copies are stored `[out, in]` (`OutInKernel`, read by `LoRALinear`),
 and an untied LM head gets a `[vocab, d]` copy, which decode programs of two or more rows read: XLA's CPU
-matmul of 2-64 rows reads a weight 1.15-1.3x faster so (bench_peer's 100M shape, 8 rows: the 32-step call
-1.01-1.14x, 64 rows 1.06x; one row as fast either way, and the head's one-row product ~5% slower, so it
-keeps the model's kernel). Other platforms' matmuls take either layout at the same cost.
+matmul of 2-64 rows reads a weight 1.15-1.3x faster so (bench_peer's 100M shape, a 32-token call: 8 rows
+1.05-1.11x, 64 rows 1.07x; one row as fast either way, and the head's one-row product ~5% slower, so it
+keeps the model's kernel). Not on other platforms: their matmul libraries take either layout.
 
 Memory: one more copy of the layer weights (`Qwen3.layer_bytes()`), and of an untied head with `out_in`,
 held while the engine lives; the "auto" rule (`paged_calls.decode_layers_unrolled`) takes unrolled decode
