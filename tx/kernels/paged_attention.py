@@ -16,7 +16,8 @@ K/V is written before it attends). Kernels (`PAGED_ATTENTION_IMPLS`):
   block past a row's last visible key is fully masked, and a fully masked block leaves the running state
   bit-identical (its probabilities are exactly 0 and the correction exactly 1). So a row's output is the
   same sequence of operations whatever the table width or the other rows' lengths: a sequence samples the
-  same tokens alone or in any batch.
+  same tokens alone or in any batch. (Decode forms its products one way at one row and another at more on
+  CPU, `decode_products`: there a row alone and in a batch agree to float32 rounding, ~1e-7.)
 - "pallas": the same online softmax as a Pallas ragged paged attention kernel (tx/kernels/paged_pallas.py):
   grid (row, kv head group, KV block) over scalar-prefetched page tables, so each step copies one block of
   one row's pages, and a row stops at its own last block. For TPU: compiled when the program is built for
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 
 from tx.kernels.attention import _MASKED, attention
 from tx.kernels.paged_pallas import pallas_paged_attention
+from tx.kernels.platform import resolve
 
 TRASH_PAGE = 0
 
@@ -81,14 +83,18 @@ def _block_values(p_bkgts: jax.Array, v_bskd: jax.Array) -> jax.Array:
     return jnp.einsum("bkgts,bskd->btkgd", p_bkgts, v_bskd, preferred_element_type=jnp.float32)
 
 
-# Decode (t = 1): the gathered block `[b, s, kv, d]` has the kv heads inside the token axis, so a dot with
-# (row, kv head) batch dimensions first transposes the whole block (a second copy of every key and value
-# read). Instead every query head meets every kv head of the block as stored, `[b, s * kv, d]`, and a
-# one-hot over kv heads keeps each head's own scores (kv x the score FLOPs, which are tiny next to the
-# block's bytes at t = 1); the masked terms are exact zeros, so the kept sums are unchanged.
+# Decode (t = 1) has two ways to form a block's products, chosen by `decode_products`. The gathered block
+# `[b, s, kv, d]` has the kv heads inside the token axis, so a dot with (row, kv head) batch dimensions
+# first transposes the whole block (a second copy of every key and value read).
+# - "dot": every query head meets every kv head of the block as stored, `[b, s * kv, d]`, one batched
+#   matmul, and a one-hot over kv heads keeps each head's own scores (kv x the score FLOPs, tiny next to the
+#   block's bytes at one row); the masked terms are exact zeros, so the kept sums are unchanged.
+# - "reduce": an elementwise product and a sum over the head dim (scores) or the block's tokens (values):
+#   one loop fusion reading the block once, no wasted FLOPs. On CPU it is 1.5-1.8x faster than "dot" per
+#   layer at 8-512 rows (micro-benchmark at bench_peer's shape, docs/performance.md), level at one row.
 
 
-def _decode_scores(q_btkgd: jax.Array, k_bskd: jax.Array) -> jax.Array:
+def _decode_scores_dot(q_btkgd: jax.Array, k_bskd: jax.Array) -> jax.Array:
     b, t, kv, g, d = q_btkgd.shape
     s = k_bskd.shape[1]
     all_bhn = jnp.einsum("bhd,bnd->bhn", q_btkgd.reshape(b, kv * g, d), k_bskd.reshape(b, s * kv, d),
@@ -98,7 +104,7 @@ def _decode_scores(q_btkgd: jax.Array, k_bskd: jax.Array) -> jax.Array:
     return s_bkgs[:, :, :, None, :]
 
 
-def _decode_values(p_bkgts: jax.Array, v_bskd: jax.Array) -> jax.Array:
+def _decode_values_dot(p_bkgts: jax.Array, v_bskd: jax.Array) -> jax.Array:
     b, kv, g, t, s = p_bkgts.shape
     d = v_bskd.shape[-1]
     own_kk = jnp.eye(kv, dtype=p_bkgts.dtype)[:, None, None, :]
@@ -107,11 +113,34 @@ def _decode_values(p_bkgts: jax.Array, v_bskd: jax.Array) -> jax.Array:
     return pv_bhd.reshape(b, 1, kv, g, d)
 
 
+def _decode_scores_reduce(q_btkgd: jax.Array, k_bskd: jax.Array) -> jax.Array:
+    s_bskg = jnp.sum(q_btkgd[:, :1] * k_bskd[:, :, :, None, :], axis=-1, dtype=jnp.float32)
+    return jnp.transpose(s_bskg, (0, 2, 3, 1))[:, :, :, None, :]
+
+
+def _decode_values_reduce(p_bkgts: jax.Array, v_bskd: jax.Array) -> jax.Array:
+    p_bskg = jnp.transpose(p_bkgts[:, :, :, 0, :], (0, 3, 1, 2))
+    pv_bkgd = jnp.sum(p_bskg[..., None] * v_bskd[:, :, :, None, :], axis=1, dtype=jnp.float32)
+    return pv_bkgd[:, None]
+
+
+DECODE_PRODUCTS = {"dot": (_decode_scores_dot, _decode_values_dot),
+                   "reduce": (_decode_scores_reduce, _decode_values_reduce)}
+
+
+def decode_products(rows: int, platform: str | None) -> str:
+    """How decode forms a block's products for `rows` rows in a program for `platform`: "reduce" on CPU at
+    two rows or more, "dot" otherwise (one row: level on CPU; GPUs: measured with "dot" only)."""
+    return "reduce" if rows > 1 and resolve(platform) == "cpu" else "dot"
+
+
 def blocked_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale: float,
-                            kv_block: int = 128, kv_blocks: int | None = None) -> jax.Array:
+                            kv_block: int = 128, kv_blocks: int | None = None,
+                            platform: str | None = None) -> jax.Array:
     """Online-softmax attention over blocks of `kv_block` tokens (a multiple of the page size): the blocks
     the furthest query needs (a loop whose count the device finds), or exactly `kv_blocks` (static, at
-    least that many: a loop of known count, which a GPU runs without asking the host)."""
+    least that many: a loop of known count, which a GPU runs without asking the host). Decode's products
+    are formed as `decode_products(b, platform)` says."""
     b, t, h, d = q_bthd.shape
     page = k_pool.shape[2]
     kv = k_pool.shape[3]
@@ -124,7 +153,8 @@ def blocked_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, s
     q_btkgd = q_bthd.reshape(b, t, kv, h // kv, d)
     n_blocks = jnp.max(q_pos_bt) // kv_block + 1  # the blocks the furthest query needs
 
-    scores, weighted_values = (_decode_scores, _decode_values) if t == 1 else (_block_scores, _block_values)
+    scores, weighted_values = DECODE_PRODUCTS[decode_products(b, platform)] if t == 1 else (_block_scores,
+                                                                                            _block_values)
 
     def body(carry):
         j, m_bkgt, l_bkgt, acc_btkgd = carry
@@ -173,7 +203,8 @@ def paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale: fl
         return pallas_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale, kv_block,
                                       platform=platform)
     if impl == "blocked":
-        return blocked_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale, kv_block, kv_blocks)
+        return blocked_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale, kv_block, kv_blocks,
+                                       platform)
     return PAGED_ATTENTION_IMPLS[impl](q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale, kv_block)
 
 
