@@ -201,6 +201,22 @@ def test_unrolled_decode_follows_weight_changes(tiny_dirs, engines):
     assert tokens[0] != tokens[1]  # the new weights change what is sampled: stale copies could not pass
 
 
+def test_the_head_copy_is_made_at_the_first_decode_of_two_rows(tiny_dirs):
+    """On CPU an untied head's `[vocab, d]` copy serves decode programs of 2+ rows only: an engine that has
+    decoded one row at a time holds none; the first call of two rows makes it."""
+    b = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **PAGED, paged_decode_layers="unrolled"))
+    b.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
+    copies = b.sampler.paged.device.layer_copies
+    one = [("one", "a", [(PROMPTS[0], SP(max_tokens=6, temperature=0.0, stop=[]))], False, 0)]
+    b.sample(sample_batch(one))
+    assert copies.copied > 0 and copies.head_bytes == 0
+    two = [(f"r{i}", "a", [(p, SP(max_tokens=6, temperature=0.0, stop=[]))], False, 0)
+           for i, p in enumerate(PROMPTS[:2])]
+    b.sample(sample_batch(two))
+    head = b.model.head_kernel()
+    assert head is not None and copies.head_bytes == head.nbytes
+
+
 def test_small_prefill_calls_run_on_the_layer_copies(tiny_dirs, engines, monkeypatch):
     """Prefill calls of at most `PREFILL_UNROLLED_TOKENS` tokens run unrolled on the copies decode keeps (a scan
     would slice every layer's weights per call); larger ones scan. The tokens are the scanning engine's, and
@@ -218,7 +234,8 @@ def test_small_prefill_calls_run_on_the_layer_copies(tiny_dirs, engines, monkeyp
         set_adapter_weights(b.model, slot, get_adapter_weights(engine.model, slot, 4), alpha=8, rank=4)
         device = b.sampler.paged.device
         gets, get = [], device.layer_copies.get
-        monkeypatch.setattr(device.layer_copies, "get", lambda model, get=get, gets=gets: gets.append(1) or get(model))
+        monkeypatch.setattr(device.layer_copies, "get", 
+                            lambda model, head=True, get=get, gets=gets: gets.append(1) or get(model, head))
         runs[limit] = (b.sample(sample_batch(requests)), len(gets), dict(b.metrics.calls))
     (unrolled, gets, calls), (scanned, scan_gets, scan_calls) = runs[default], runs[0]
     assert calls["sample_prefill"] > 0

@@ -16,8 +16,8 @@ matmul of 2-64 rows reads a weight 1.15-1.3x faster so (bench_peer's 100M shape,
 1.05-1.11x, 64 rows 1.07x; one row as fast either way, and the head's one-row product ~5% slower, so it
 keeps the model's kernel). Not on other platforms: their matmul libraries take either layout.
 
-Memory: one more copy of the layer weights (`Qwen3.layer_bytes()`), and of an untied head with `out_in`,
-held while the engine lives; the "auto" rule (`paged_calls.decode_layers_unrolled`) takes unrolled decode
+Memory: one more copy of the layer weights (`Qwen3.layer_bytes()`), and of an untied head with `out_in`
+(made at the first decode call of two or more rows), held while the engine lives; the "auto" rule (`paged_calls.decode_layers_unrolled`) takes unrolled decode
 only where that is at most a quarter of the free memory.
 """
 
@@ -89,9 +89,10 @@ class LayerCopies:
         self._head: tuple[weakref.ref, jax.Array] | None = None  # the head kernel copied, its copy
         self.copied = 0  # stacked leaves copied so far (tests and metrics: base weights only once)
 
-    def get(self, model: Any) -> tuple[tuple[Any, ...], Copies]:
+    def get(self, model: Any, head: bool = True) -> tuple[tuple[Any, ...], Copies]:
         """Per stack of `model` (`scanned_states()`): the tree structure of one layer's copies (a static argument
-        of the decode program, `unflatten` there) and each layer's leaves; the head's copy. Plain lists, not
+        of the decode program, `unflatten` there) and each layer's leaves; the head's copy if `head` (made at the
+        first call that asks: an engine that only decodes one row never holds it), else None. Plain lists, not
         per-layer states: flattening 28 `nnx.State`s at every call cost ~11 ms on the host, a list of arrays
         ~0.1 ms. A leaf is copied again only when the model holds a new array for it; unchanged stacks reuse
         their lists."""
@@ -114,7 +115,12 @@ class LayerCopies:
             if stack.layers is None:
                 stack.layers = [list(layer) for layer in zip(*stack.copies)]
             out.append(stack.layers)
-        return tuple(defs), Copies(out, self._head_copy(model))
+        return tuple(defs), Copies(out, self._head_copy(model) if head else None)
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of the head's copy held now (0: none made yet, or none needed)."""
+        return 0 if self._head is None else self._head[1].nbytes
 
     def _head_copy(self, model: Any) -> jax.Array | None:
         head_dv = model.head_kernel() if self.out_in else None

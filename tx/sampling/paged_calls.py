@@ -236,7 +236,7 @@ class PagedDevice:
         model = self.source.model
         # (r, c) decides: one program each
         unrolled = self.layer_copies is not None and r * c <= PREFILL_UNROLLED_TOKENS
-        layer_defs, copies = self.layer_copies.get(model) if unrolled else (None, None)
+        layer_defs, copies = self.layer_copies.get(model, head=False) if unrolled else (None, None)
         self.pools = self._call(("sample_prefill", r, c), prefill_chunk, model, self._pools(), inp,
                                 copies and copies.stacks,
                                 impl=self.impl, kv_block=self.kv_block, layer_defs=layer_defs)
@@ -268,7 +268,8 @@ class PagedDevice:
         key += (blocks,)
         model = self.source.model
         # None: the program scans the stacks
-        layer_defs, copies = self.layer_copies.get(model) if self.layer_copies else (None, None)
+        # the head's copy is read by programs of 2+ rows only (tx/sampling/layer_copies.py)
+        layer_defs, copies = self.layer_copies.get(model, head=key[1] > 1) if self.layer_copies else (None, None)
         self.pools, out = self._call(key, decode_steps, model, self._pools(), inp, np.int32(bound),
                                      copies, steps=self.steps, topk=key[4], impl=self.impl, kv_block=self.kv_block,
                                      kv_blocks=blocks, layer_defs=layer_defs)
