@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from tx.kernels.paged_attention import TRASH_PAGE, decode_products, paged_attention, token_slots, write_kv_pages
+from tx.kernels.paged_attention import (TRASH_PAGE, blocked_paged_attention, decode_products, paged_attention,
+                                        token_slots, write_kv_pages)
 from tx.kernels.paged_pallas import pallas_paged_attention
 
 L, PAGES, P, KV, H, D = 2, 40, 4, 2, 4, 8
@@ -68,22 +69,29 @@ def test_matches_numpy_attention(impl, kv_block, t):
             np.testing.assert_allclose(np.asarray(out[b]), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("lengths,platform,products", [([13, 3, 22], "cpu", "reduce"), ([13, 3, 22], "cuda", "dot"),
-                                                        ([22], "cpu", "dot")])
-def test_both_decode_products_match_numpy(lengths, platform, products):
-    """Decode's two ways of forming a block's products (`decode_products`: "reduce" on CPU at 2+ rows, "dot"
-    at one row and on GPUs), each against numpy, and a row alone against the same row in a batch."""
-    assert decode_products(len(lengths), platform) == products
+def test_decode_products_are_chosen_by_rows_and_platform():
+    assert [decode_products(rows, "cpu") for rows in (1, 2, 512)] == ["dot", "reduce", "reduce"]
+    assert decode_products(8, "cuda") == decode_products(8, "tpu") == "dot"
+    q, k_pool, v_pool, table, q_pos = make_case(3, [5], 1)
+    with pytest.raises(ValueError, match="products='mul'"):
+        blocked_paged_attention(q, k_pool, v_pool, 0, table, q_pos, 1.0, kv_block=4, products="mul")
+
+
+@pytest.mark.parametrize("products", ["dot", "reduce"])
+def test_both_decode_products_match_numpy(products):
+    """Decode's two ways of forming a block's products ("reduce": CPU at 2+ rows; "dot": one row, GPUs), each
+    against numpy over ragged rows, and a row alone (as `decode_products` picks for one row on CPU) against
+    the same row in the batch: float32 rounding apart."""
+    lengths = [13, 3, 22]
     q, k_pool, v_pool, table, q_pos = make_case(4, lengths, 1, width=7)
-    out = paged_attention(q, k_pool, v_pool, 1, table, q_pos, 0.3, impl="blocked", kv_block=8, platform=platform)
+    out = blocked_paged_attention(q, k_pool, v_pool, 1, table, q_pos, 0.3, kv_block=8, products=products)
     for b, n in enumerate(lengths):
         want = numpy_attention(np.asarray(q[b], np.float64), unpaged(k_pool, 1, table[b], n),
                                unpaged(v_pool, 1, table[b], n), np.asarray(q_pos[b]), 0.3)
         np.testing.assert_allclose(np.asarray(out[b]), want, atol=1e-5, rtol=1e-5)
-    if len(lengths) > 1:  # row 2 alone ("dot") and in the batch ("reduce" on CPU): float32 rounding apart
-        alone = paged_attention(q[2:], k_pool, v_pool, 1, table[2:], q_pos[2:], 0.3, impl="blocked", kv_block=8,
-                                platform=platform)
-        np.testing.assert_allclose(np.asarray(alone[0]), np.asarray(out[2]), atol=1e-6, rtol=1e-6)
+    alone = paged_attention(q[2:], k_pool, v_pool, 1, table[2:], q_pos[2:], 0.3, impl="blocked", kv_block=8,
+                            platform="cpu")
+    np.testing.assert_allclose(np.asarray(alone[0]), np.asarray(out[2]), atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("impl", ["blocked", "pallas"])

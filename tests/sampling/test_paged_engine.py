@@ -172,6 +172,32 @@ def test_unrolled_and_scanned_layers_sample_the_same(tiny_dirs, engines, caplog)
     assert not decode_layers_unrolled("scan", "cpu", 1, 1, gib)
 
 
+def test_kv_block_default_is_32_tokens_on_cpu_64_elsewhere(tiny_dirs, engines, caplog):
+    """`kv_block=None` (the default): 32-token attention blocks on CPU, 64 elsewhere, in whole pages; the engine
+    runs and logs what it resolved, and samples the tokens the 8-token blocks sample."""
+    from tx.sampling.paged_calls import kv_block_for
+
+    assert [kv_block_for(None, page, "cpu") for page in (4, 16, 12, 64)] == [32, 32, 36, 64]
+    assert kv_block_for(None, 16, "cuda") == kv_block_for(None, 16, "tpu") == 64
+    assert kv_block_for(8, 4, "cpu") == 8  # a set value is used as it is
+    _, eight = engines
+    caplog.set_level(logging.INFO, logger="tx.sampling.paged_calls")
+    fields = {k: v for k, v in PAGED.items() if k != "kv_block"}
+    auto = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **fields))
+    auto.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
+    slot = eight.models["a"].adapter_index
+    set_adapter_weights(auto.model, slot, get_adapter_weights(eight.model, slot, 4), alpha=8, rank=4)
+    requests = requests_mixed()
+    want, got = eight.sample(sample_batch(requests)), auto.sample(sample_batch(requests))
+    assert auto.sampler.paged.device.kv_block == 32
+    said = [r.getMessage() for r in caplog.records if r.name == "tx.sampling.paged_calls"]
+    assert any("attention blocks of 32 tokens (kv_block=None)" in m for m in said), said
+    for request_id, *_ in requests:
+        assert [s.tokens for s in want[request_id].sequences] == [s.tokens for s in got[request_id].sequences]
+        for x, y in zip(want[request_id].sequences, got[request_id].sequences):
+            np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=1e-5, atol=1e-5)
+
+
 def test_unrolled_decode_follows_weight_changes(tiny_dirs, engines):
     """The kept per-layer copies follow the model: after an adapter's weights change (a weight load here; an
     optimizer step replaces them the same way) the unrolled engine samples with the new weights, as the oracle

@@ -142,8 +142,10 @@ class JaxBackendConfig(BaseModel):
         "each layer's weights in turn)")
     prefix_cache: bool = Field(True, description="paged engine: reuse the KV pages of prompt prefixes seen "
                                "before with the same weights (full pages, least recently used evicted first)")
-    kv_block: int = Field(64, ge=1, description="paged engine: tokens per attention block (a multiple of "
-                          "kv_page_size)")
+    kv_block: int | None = Field(
+        None, ge=1, description="paged engine: tokens per attention block (a multiple of kv_page_size). None: "
+        "32 on CPU (decode at 8-256 rows 1.03-1.14x faster than 64 there: less of the last block masked), 64 "
+        "elsewhere, rounded up to a multiple of kv_page_size")
     max_num_samples: int = Field(128, ge=1, description="largest num_samples one sampling request may ask for")
     default_max_tokens: int = Field(
         1024, ge=0, description="new tokens of a sample request that sends max_tokens=None (the SDK default), "
@@ -224,7 +226,7 @@ class JaxBackendConfig(BaseModel):
         if self.training_mode == "full" and self.dtype is not None:
             raise ValueError(f"dtype={self.dtype!r}: with training_mode='full' the parameter dtype is "
                              "mixed_precision.param_dtype")
-        if self.kv_block % self.kv_page_size:
+        if self.kv_block is not None and self.kv_block % self.kv_page_size:
             raise ValueError(f"kv_block={self.kv_block} must be a multiple of kv_page_size={self.kv_page_size}")
         if self.paged_kv_blocks == "bucketed" and self.paged_attention_impl != "blocked":
             raise ValueError(f"paged_kv_blocks='bucketed' applies to paged_attention_impl='blocked' only "

@@ -135,12 +135,12 @@ def decode_products(rows: int, platform: str | None) -> str:
 
 
 def blocked_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale: float,
-                            kv_block: int = 128, kv_blocks: int | None = None,
-                            platform: str | None = None) -> jax.Array:
+                            kv_block: int = 128, kv_blocks: int | None = None, platform: str | None = None,
+                            products: str | None = None) -> jax.Array:
     """Online-softmax attention over blocks of `kv_block` tokens (a multiple of the page size): the blocks
     the furthest query needs (a loop whose count the device finds), or exactly `kv_blocks` (static, at
-    least that many: a loop of known count, which a GPU runs without asking the host). Decode's products
-    are formed as `decode_products(b, platform)` says."""
+    least that many: a loop of known count, which a GPU runs without asking the host). Decode forms its
+    products as `products` names ("dot" or "reduce"; None: as `decode_products(b, platform)` says)."""
     b, t, h, d = q_bthd.shape
     page = k_pool.shape[2]
     kv = k_pool.shape[3]
@@ -153,8 +153,10 @@ def blocked_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, s
     q_btkgd = q_bthd.reshape(b, t, kv, h // kv, d)
     n_blocks = jnp.max(q_pos_bt) // kv_block + 1  # the blocks the furthest query needs
 
-    scores, weighted_values = DECODE_PRODUCTS[decode_products(b, platform)] if t == 1 else (_block_scores,
-                                                                                            _block_values)
+    products = products or decode_products(b, platform)
+    if products not in DECODE_PRODUCTS:
+        raise ValueError(f"products={products!r} is not one of {', '.join(DECODE_PRODUCTS)}")
+    scores, weighted_values = DECODE_PRODUCTS[products] if t == 1 else (_block_scores, _block_values)
 
     def body(carry):
         j, m_bkgt, l_bkgt, acc_btkgd = carry

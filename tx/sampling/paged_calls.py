@@ -80,6 +80,13 @@ def prefill_width(longest: int, rows: int, chunk: int) -> int:
     return chunk
 
 
+def kv_block_for(setting: int | None, page: int, platform: str) -> int:
+    """Tokens per attention block (`kv_block`; None: 32 on CPU, 64 elsewhere, rounded up to whole pages)."""
+    if setting is not None:
+        return setting
+    return -(-(32 if platform == "cpu" else 64) // page) * page
+
+
 def table_blocks(width: int, page: int, kv_block: int) -> int:
     """Attention blocks a table of `width` pages spans: no call needs more."""
     return -(-width * page // kv_block)
@@ -149,9 +156,9 @@ class PagedDevice:
         self.slots, self.fsdp = cfg.max_num_seqs, runtime.mesh.shape["fsdp"]
         self.chunk, self.chunk_rows = cfg.prefill_chunk, cfg.prefill_rows
         self.steps = max(cfg.decode_steps_per_call, cfg.max_decode_steps_per_call)  # the buffers' width
-        self.impl, self.kv_block = cfg.paged_attention_impl, cfg.kv_block
-        self.max_blocks = table_blocks(self.width, self.page, self.kv_block)
         platform = source.model.platform
+        self.impl, self.kv_block = cfg.paged_attention_impl, kv_block_for(cfg.kv_block, self.page, platform)
+        self.max_blocks = table_blocks(self.width, self.page, self.kv_block)
         self.bucketed = self.impl == "blocked" and kv_blocks_bucketed(cfg.paged_kv_blocks, platform)
         self.quarters = slot_quarters(cfg.decode_slot_counts, platform)
         self.slot_counts = slot_counts(self.slots, self.fsdp, self.quarters)  # a decode call's, ascending
@@ -163,10 +170,12 @@ class PagedDevice:
         self.unrolled = decode_layers_unrolled(cfg.paged_decode_layers, platform, runtime.mesh.size, copy_bytes,
                                                free_bytes)
         # said once per engine: the unrolled layout holds a second copy of the layer weights on the device
-        logger.info("paged decode: %s (paged_decode_layers=%r, %s x%d; the copies: %.2f GiB%s, free: %.2f GiB)",
+        logger.info("paged decode: %s (paged_decode_layers=%r, %s x%d; the copies: %.2f GiB%s, free: %.2f GiB); "
+                    "attention blocks of %d tokens (kv_block=%r)",
                     "layers unrolled on per-layer weight copies" if self.unrolled else "layer scan over the stacks",
                     cfg.paged_decode_layers, platform, runtime.mesh.size, copy_bytes / 2**30,
-                    ", MLP kernels and head [out, in]" if out_in else "", free_bytes / 2**30)
+                    ", MLP kernels and head [out, in]" if out_in else "", free_bytes / 2**30, self.kv_block,
+                    cfg.kv_block)
         self.layer_copies = LayerCopies(out_in) if self.unrolled else None
         self.pools: list | None = None
         self.sent: dict[str, tuple[np.ndarray, Any]] = {}  # `_put`: per input, the last host value and its device copy

@@ -19,7 +19,7 @@ class SamplingSettings(Protocol):
     max_num_seqs: int
     kv_page_size: int
     kv_cache_pages: int
-    kv_block: int
+    kv_block: int | None
     prefill_chunk: int
     prefill_rows: int
     prefix_cache: bool
