@@ -17,8 +17,9 @@ matmul of 2-64 rows reads a weight 1.15-1.3x faster so (bench_peer's 100M shape,
 keeps the model's kernel). Not on other platforms: their matmul libraries take either layout.
 
 Memory: one more copy of the layer weights (`Qwen3.layer_bytes()`), and of an untied head with `out_in`
-(made at the first decode call of two or more rows), held while the engine lives; the "auto" rule (`paged_calls.decode_layers_unrolled`) takes unrolled decode
-only where that is at most a quarter of the free memory.
+(made at the first decode call of two or more rows), held while the engine lives; the "auto" rule
+(`paged_calls.decode_layers_unrolled`) takes unrolled decode only where that is at most a quarter of the
+free memory.
 """
 
 from __future__ import annotations
