@@ -260,7 +260,7 @@ def test_small_prefill_calls_run_on_the_layer_copies(tiny_dirs, engines, monkeyp
         set_adapter_weights(b.model, slot, get_adapter_weights(engine.model, slot, 4), alpha=8, rank=4)
         device = b.sampler.paged.device
         gets, get = [], device.layer_copies.get
-        monkeypatch.setattr(device.layer_copies, "get", 
+        monkeypatch.setattr(device.layer_copies, "get",
                             lambda model, head=True, get=get, gets=gets: gets.append(1) or get(model, head))
         runs[limit] = (b.sample(sample_batch(requests)), len(gets), dict(b.metrics.calls))
     (unrolled, gets, calls), (scanned, scan_gets, scan_calls) = runs[default], runs[0]
