@@ -126,10 +126,11 @@ def decode_steps(model, pools: Pools, inp: SlotInputs, bound: jax.Array, copies:
     s = inp.token_s.shape[0]
     # `copies` (unrolled decode): per stack, its weights one layer at a time as leaves of `layer_defs`
     # (tx/sampling/layer_copies.py); each step runs the layers one by one on them. None: the model's stacks
-    # under `lax.scan`. Its `[vocab, d]` head (CPU) serves two or more rows; one row reads the model's kernel.
+    # under `lax.scan`. Its `[vocab, d]` head (CPU), where given (programs of two or more rows: the caller
+    # asks for it then), replaces the model's kernel.
     layers, head_vd = None, None
     if copies is not None:
-        layers, head_vd = layer_states(layer_defs, copies.stacks), copies.head_vd if s > 1 else None
+        layers, head_vd = layer_states(layer_defs, copies.stacks), copies.head_vd
     # before any slot reads its pages; the page ids go to every device (each fsdp replica of the pools copies
     # every pair locally, instead of gathering the copied pages of the other rows' shards)
     src_s, dst_s = (model.layout.constrain(x, (None,)) for x in (inp.copy_src_s, inp.copy_dst_s))
