@@ -27,7 +27,8 @@ import hook comes first), e.g. the issue's RL comparison with 756636f: `--only t
 with `--tx-source` and once without.
 Cross-checks (first run of each): per-row log-prob sums of a forward pass on the first training batch
 (adapters are fresh: B = 0 in both engines) agree to `--rtol`, and greedy tokens are identical.
-Prints one JSON line per (workload, engine) (medians over `--runs`), a ratio line tx/skyrl, check lines.
+Runs alternate between the engines (tx, SkyRL, tx, ...). Prints one JSON line per (workload, engine) (medians
+over `--runs`), a ratio line tx/skyrl (with each tx run over the SkyRL run after it), check lines.
 """
 
 from __future__ import annotations
@@ -395,9 +396,14 @@ def cross_check(name: str, first: dict[str, dict], rtol: float) -> dict | None:
 def run_workload(name: str, engines: list[str], model_dir: str, args: argparse.Namespace, params: int) -> bool:
     """Print the workload's lines (per engine, ratio, cross-check); False if a run or the check failed."""
     rows, first, ok = {}, {}, True
-    for engine in engines:
-        spec = {"workload": name, "engine": engine, "model_dir": model_dir, "args": vars(args)}
-        runs = [spawn(spec, args.timeout) for _ in range(args.runs)]
+    # runs alternate between the engines (tx, SkyRL, tx, ...): this VM drifts over minutes, and all of one
+    # engine's runs before the other's would put that drift into the ratio
+    results: dict[str, list[dict]] = {engine: [] for engine in engines}
+    for _ in range(args.runs):
+        for engine in engines:
+            spec = {"workload": name, "engine": engine, "model_dir": model_dir, "args": vars(args)}
+            results[engine].append(spawn(spec, args.timeout))
+    for engine, runs in results.items():
         good = [r for r in runs if "error" not in r]
         if len(good) < len(runs):
             ok = False
@@ -408,10 +414,14 @@ def run_workload(name: str, engines: list[str], model_dir: str, args: argparse.N
             print(json.dumps(rows[engine]), flush=True)
     if len(rows) == 2:
         tx_row, peer = rows["tx"], rows["skyrl"]
-        print(json.dumps({"workload": name,
-                          "ratio_tx_over_skyrl_tokens_per_s": round(tx_row["tokens_per_s"] / peer["tokens_per_s"], 3),
-                          "ratio_tx_over_skyrl_peak_rss": round(tx_row["peak_rss_mb"] / peer["peak_rss_mb"], 3)}),
-              flush=True)
+        ratio = {"workload": name,
+                 "ratio_tx_over_skyrl_tokens_per_s": round(tx_row["tokens_per_s"] / peer["tokens_per_s"], 3),
+                 "ratio_tx_over_skyrl_peak_rss": round(tx_row["peak_rss_mb"] / peer["peak_rss_mb"], 3)}
+        pairs = [(a, b) for a, b in zip(results["tx"], results["skyrl"]) if "error" not in a and "error" not in b]
+        if len(pairs) > 1:  # each tx run over the SkyRL run right after it
+            ratio["ratio_paired_runs"] = [round(a["tokens_per_s"] / b["tokens_per_s"], 3) for a, b in pairs]
+            ratio["ratio_paired_median"] = round(statistics.median(ratio["ratio_paired_runs"]), 3)
+        print(json.dumps(ratio), flush=True)
     check = cross_check(name, first, args.rtol)
     if check:
         ok &= check["ok"]
