@@ -171,11 +171,16 @@ class PagedEngine:
             for lv in self.live:
                 if not self.kv.grow(lv, call.bound + steps):
                     raise RuntimeError("pages checked for two calls ran short")
-            self.stats["peak_pages"] = max(self.stats["peak_pages"], self.kv.pages_in_use)
+            self._count_pages()
             self.inflight = self.device.decode(call.live, steps, after=call)
             self.stats["chained_calls"] += 1
         self._read(call)
-        self.stats["pages_in_use"] = self.kv.pages_in_use  # what a metrics scrape reads between iterations
+        self._count_pages()
+
+    def _count_pages(self) -> None:
+        """The pool's pages in use now (what a metrics scrape reads between iterations) and at most so far."""
+        self.stats["pages_in_use"] = self.kv.pages_in_use
+        self.stats["peak_pages"] = max(self.stats["peak_pages"], self.kv.pages_in_use)
 
     def _read(self, call: DecodeCall) -> None:
         for lv, done, start in self.device.read(call):
@@ -188,7 +193,7 @@ class PagedEngine:
         self.call_steps = self.steps  # admissions reserve pages for a short call
         self._admit_groups()
         self._admit_rows()
-        self.stats["peak_pages"] = max(self.stats["peak_pages"], self.kv.pages_in_use)
+        self._count_pages()
         if self.prefilling:
             self.device.prefill(self.prefilling)
             for g in [g for g in self.prefilling if g.ready]:
@@ -201,8 +206,7 @@ class PagedEngine:
         self._choose_call_steps()
         if self.live:
             self._grow()
-            self.stats["peak_pages"] = max(self.stats["peak_pages"], self.kv.pages_in_use)
-        self.stats["pages_in_use"] = self.kv.pages_in_use
+        self._count_pages()
         return self.device.decode(self.live, self.call_steps) if self.live else None
 
     def _chain_steps(self, call: DecodeCall) -> int | None:
