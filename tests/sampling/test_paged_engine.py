@@ -394,3 +394,22 @@ def test_min_p_and_repetition_penalty_equal_the_oracle(engines):
     plain = paged.sample(sample_batch([("rp", "", [(PROMPTS[2], SP(max_tokens=20, temperature=0.0, stop=[]))],
                                         False, 0)]))["rp"]
     assert plain.sequences[0].tokens != got["rp"].sequences[0].tokens  # the penalty changed the greedy path
+
+
+def test_the_samples_of_one_prompt_read_its_pages_once_per_segment(engines):
+    """8 seeded samples of one 25-token prompt (page 4, 8-key blocks: 6 full prompt pages, of which 24 keys
+    are read once per call for all 8 rows, tx/kernels/shared_prefix.py) next to a greedy row of another
+    prompt: tokens and log-probs equal the oracle's, which runs each row's plain forward."""
+    _, paged = engines
+    prompt = (list(PROMPTS[0]) * 8)[:25]
+    requests = [("g", "a", [(prompt, SP(max_tokens=12, temperature=1.0, seed=9, stop=[]))] * 8, False, 0),
+                ("o", "a", [(PROMPTS[1], SP(max_tokens=7, temperature=0.0, stop=[]))], False, 0)]
+    before = paged.metrics.sampling["shared_prefix_rows"]
+    want, got = oracle.sample(paged, sample_batch(requests)), paged.sample(sample_batch(requests))
+    for request_id in ("g", "o"):
+        a, b = want[request_id].sequences, got[request_id].sequences
+        assert [s.tokens for s in a] == [s.tokens for s in b], request_id
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)
+    assert len({tuple(s.tokens) for s in got["g"].sequences}) == 8
+    assert paged.metrics.sampling["shared_prefix_rows"] - before >= 8  # every call reads them shared

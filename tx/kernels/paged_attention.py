@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from tx.kernels.attention import _MASKED, attention
 from tx.kernels.paged_pallas import pallas_paged_attention
 from tx.kernels.platform import resolve
+from tx.kernels.shared_prefix import SharedPrefix, prefix_state
 
 TRASH_PAGE = 0
 
@@ -136,11 +137,13 @@ def decode_products(rows: int, platform: str | None) -> str:
 
 def blocked_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale: float,
                             kv_block: int = 128, kv_blocks: int | None = None, platform: str | None = None,
-                            products: str | None = None) -> jax.Array:
+                            products: str | None = None, prefix: SharedPrefix | None = None) -> jax.Array:
     """Online-softmax attention over blocks of `kv_block` tokens (a multiple of the page size): the blocks
     the furthest query needs (a loop whose count the device finds), or exactly `kv_blocks` (static, at
     least that many: a loop of known count, which a GPU runs without asking the host). Decode forms its
-    products as `products` names ("dot" or "reduce"; None: as `decode_products(b, platform)` says)."""
+    products as `products` names ("dot" or "reduce"; None: as `decode_products(b, platform)` says).
+    `prefix` (decode only): each row's first `prefix.len_s` keys are read through its segment's shared pages
+    (tx/kernels/shared_prefix.py), and its own loop starts at the block after them."""
     b, t, h, d = q_bthd.shape
     page = k_pool.shape[2]
     kv = k_pool.shape[3]
@@ -158,12 +161,30 @@ def blocked_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, s
         raise ValueError(f"products={products!r} is not one of {', '.join(DECODE_PRODUCTS)}")
     scores, weighted_values = DECODE_PRODUCTS[products] if t == 1 else (_block_scores, _block_values)
 
+    g = h // kv
+    init = (jnp.int32(0), jnp.full((b, kv, g, t), _MASKED, jnp.float32), jnp.zeros((b, kv, g, t), jnp.float32),
+            jnp.zeros((b, t, kv, g, d), jnp.float32))
+    first_b = None  # each row's first block of its own (with a prefix)
+    if prefix is not None:
+        if t != 1:
+            raise ValueError(f"a shared prefix is read by decode (one query per row), not by {t} queries a row")
+        m_bkg, l_bkg, acc_bkgd = prefix_state(q_btkgd[:, 0], k_pool, v_pool, layer, prefix, scale, kv_block)
+        init = (jnp.int32(0), m_bkg[..., None], l_bkg[..., None], acc_bkgd[:, None])
+        first_b = prefix.len_s // kv_block
+        n_blocks = jnp.max(q_pos_bt[:, -1] // kv_block + 1 - first_b)
+
     def body(carry):
         j, m_bkgt, l_bkgt, acc_btkgd = carry
-        pages_bm = jax.lax.dynamic_slice_in_dim(table_bw, j * pages_per_block, pages_per_block, axis=1)
+        if first_b is None:
+            pages_bm = jax.lax.dynamic_slice_in_dim(table_bw, j * pages_per_block, pages_per_block, axis=1)
+            key_pos_bs = (j * kv_block + jnp.arange(kv_block))[None]
+        else:  # block j of each row's own: past the table's end (a row with fewer blocks) fully masked
+            block_b = first_b + j
+            at_bm = block_b[:, None] * pages_per_block + jnp.arange(pages_per_block)
+            pages_bm = jnp.take_along_axis(table_bw, jnp.minimum(at_bm, padded_w - 1), axis=1)
+            key_pos_bs = block_b[:, None] * kv_block + jnp.arange(kv_block)
         k_bskd, v_bskd = _gather(k_pool, layer, pages_bm), _gather(v_pool, layer, pages_bm)
-        key_pos_s = j * kv_block + jnp.arange(kv_block)
-        mask_bts = key_pos_s[None, None, :] <= q_pos_bt[:, :, None]
+        mask_bts = key_pos_bs[:, None, :] <= q_pos_bt[:, :, None]
         s_bkgts = scores(q_btkgd, k_bskd)
         s_bkgts = jnp.where(mask_bts[:, None, None], s_bkgts * scale, _MASKED)
         m_new = jnp.maximum(m_bkgt, s_bkgts.max(axis=-1))
@@ -174,9 +195,6 @@ def blocked_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, s
         acc_new = acc_btkgd * jnp.moveaxis(corr_bkgt, -1, 1)[..., None] + pv_btkgd
         return j + 1, m_new, l_new, acc_new
 
-    g = h // kv
-    init = (jnp.int32(0), jnp.full((b, kv, g, t), _MASKED, jnp.float32), jnp.zeros((b, kv, g, t), jnp.float32),
-            jnp.zeros((b, t, kv, g, d), jnp.float32))
     if kv_blocks is None:
         _, _, l_bkgt, acc_btkgd = jax.lax.while_loop(lambda c: c[0] < n_blocks, body, init)
     else:  # the extra blocks are fully masked: exact no-ops
@@ -195,18 +213,22 @@ PAGED_ATTENTION_IMPLS: dict[str, PagedAttentionFn] = {
 
 
 def paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale: float, impl: str = "blocked",
-                    kv_block: int = 128, platform: str | None = None, kv_blocks: int | None = None) -> jax.Array:
+                    kv_block: int = 128, platform: str | None = None, kv_blocks: int | None = None,
+                    prefix: SharedPrefix | None = None) -> jax.Array:
     """Causal GQA attention `[b, t, h, d]` of queries at positions `q_pos_bt` over their sequences' pages,
     in a program built for `platform` (default: JAX's first device's). `kv_blocks` (static, "blocked"
-    only): loop over that many blocks instead of finding the count on the device."""
+    only): loop over that many blocks instead of finding the count on the device. `prefix` ("blocked"
+    decode only): pages rows share, read once per segment of rows (tx/kernels/shared_prefix.py)."""
     if impl not in PAGED_ATTENTION_IMPLS:
         raise ValueError(f"paged_attention_impl={impl!r} is not one of {', '.join(PAGED_ATTENTION_IMPLS)}")
+    if prefix is not None and impl != "blocked":
+        raise ValueError(f"a shared prefix is read by paged_attention_impl='blocked' only, not {impl!r}")
     if impl == "pallas":
         return pallas_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale, kv_block,
                                       platform=platform)
     if impl == "blocked":
         return blocked_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale, kv_block, kv_blocks,
-                                       platform)
+                                       platform, prefix=prefix)
     return PAGED_ATTENTION_IMPLS[impl](q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale, kv_block)
 
 
@@ -216,7 +238,8 @@ class PagedKV:
     the sequences' page tables and the positions of this call's tokens (`valid_bt` False: padding, written
     to the trash page). `v_pool` None: one pool of per-token entries that serve as keys and (a leading part
     of them) as values (latent attention, DeepSeek-V3). `impl`, `kv_block`, `platform` (the program's; None:
-    JAX's first device's) and `kv_blocks` (None: found on the device; see `paged_attention`) are static."""
+    JAX's first device's) and `kv_blocks` (None: found on the device; see `paged_attention`) are static.
+    `prefix`: the rows' shared pages (decode, "blocked" only; None: every row reads its own table)."""
 
     k_pool: jax.Array
     v_pool: jax.Array | None
@@ -228,6 +251,7 @@ class PagedKV:
     kv_block: int = 128
     platform: str | None = None
     kv_blocks: int | None = None
+    prefix: SharedPrefix | None = None  # decode: pages rows share (tx/kernels/shared_prefix.py)
 
     @property
     def pools(self) -> tuple[jax.Array, ...]:
@@ -251,7 +275,7 @@ class PagedKV:
         the values are the entries themselves."""
         v_pool = self.k_pool if self.v_pool is None else self.v_pool
         return paged_attention(q_bthd, self.k_pool, v_pool, self.layer, self.table_bw, self.pos_bt, scale,
-                               self.impl, self.kv_block, self.platform, self.kv_blocks)
+                               self.impl, self.kv_block, self.platform, self.kv_blocks, self.prefix)
 
     def attend(self, q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array,
                scale: float) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -260,5 +284,6 @@ class PagedKV:
         return cache.read(q_bthd, scale), (cache.k_pool, cache.v_pool)
 
 
-jax.tree_util.register_dataclass(PagedKV, data_fields=["k_pool", "v_pool", "layer", "table_bw", "pos_bt", "valid_bt"],
+jax.tree_util.register_dataclass(PagedKV, data_fields=["k_pool", "v_pool", "layer", "table_bw", "pos_bt", "valid_bt",
+                                                          "prefix"],
                                  meta_fields=["impl", "kv_block", "platform", "kv_blocks"])

@@ -25,6 +25,7 @@ from tx.kernels.attention import resolve_attention_impl, self_attention_mask
 from tx.kernels.lora import add_lora_head_delta
 from tx.kernels.paged_attention import PagedKV
 from tx.kernels.platform import normalise, platform_of
+from tx.kernels.shared_prefix import SharedPrefix
 from tx.models.config import LoraSlots, ModelConfig
 from tx.models.layers.attention import Attention
 from tx.models.layers.lora import ValueHead, lora_variables
@@ -302,15 +303,17 @@ class DecoderLM(nnx.Module):
         kv_block: int = 128,
         kv_blocks: int | None = None,
         layers: list | None = None,
+        prefix: SharedPrefix | None = None,
     ) -> tuple[jax.Array, list[tuple[jax.Array, ...]]]:
         """Tokens at `positions_bt` of sequences whose KV pages are `table_bw` (a prefill chunk, or one
         decode token per row): each stack writes their keys/values into its page pools (`kv_layout`: keys and
         values `[L, N, P, kv, d]`, or one latent pool `[L, N, P, 1, c]`)
         and attends over the sequences' pages (`kv_blocks`: see `paged_attention`). `layers` (per stack,
-        its `scanned_state()` one layer at a time): run the layers one by one on those arrays. Returns final
+        its `scanned_state()` one layer at a time): run the layers one by one on those arrays. `prefix`
+        (decode): pages rows share, read once per segment of rows (`PagedKV.prefix`). Returns final
         hidden states `[b, t, d]` and the pools."""
         paged = [PagedKV(pool[0], pool[1] if len(pool) > 1 else None, jnp.int32(0), table_bw, positions_bt, valid_bt,
-                         impl, kv_block, self.platform, kv_blocks) for pool in pools]
+                         impl, kv_block, self.platform, kv_blocks, prefix) for pool in pools]
         return self._layers(ids_bt, positions_bt, None, adapter_indices_b, paged, layers)
 
     def kv_layout(self) -> tuple[tuple[tuple[int, ...], tuple[str | None, ...]], ...]:

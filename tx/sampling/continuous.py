@@ -87,7 +87,7 @@ class PagedEngine:
         self.stats = runtime.metrics.sampling  # reported by /api/v1/metrics
         self.stats.update({"prefill_tokens": 0, "prefill_tokens_cached": 0, "decode_tokens": 0, "peak_pages": 0,
                            "pages_in_use": 0, "calls": 0, "chained_calls": 0, "decode_tokens_dropped": 0,
-                           "preempted": 0, "kv_cache_pages": num_pages})
+                           "preempted": 0, "shared_prefix_rows": 0, "kv_cache_pages": num_pages})
         self.device = PagedDevice(source, runtime, config, text, self.kv, self.stats, free)
         self._serial = 0
         self.reset()

@@ -18,8 +18,10 @@ import numpy as np
 
 from tx.runtime import bucket_length, pow2
 from tx.sampling.kv_cache import table_width  # noqa: F401  (also read from here by tx/backends/precompile.py)
+from tx.kernels.shared_prefix import SharedPrefix
 from tx.sampling.layer_copies import LayerCopies
 from tx.sampling.paged_step import PrefillInputs, SlotInputs, StepOutputs, decode_steps, prefill_chunk
+from tx.sampling.prefix_segments import plan_segments
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +162,8 @@ class PagedDevice:
         self.impl, self.kv_block = cfg.paged_attention_impl, kv_block_for(cfg.kv_block, self.page, platform)
         self.max_blocks = table_blocks(self.width, self.page, self.kv_block)
         self.bucketed = self.impl == "blocked" and kv_blocks_bucketed(cfg.paged_kv_blocks, platform)
+        # the shared-prefix read's block loop is found on the device (no static count to bucket)
+        self.shared_prefix = cfg.paged_shared_prefix and self.impl == "blocked" and not self.bucketed
         self.quarters = slot_quarters(cfg.decode_slot_counts, platform)
         self.slot_counts = slot_counts(self.slots, self.fsdp, self.quarters)  # a decode call's, ascending
         self.topk_width = pow2(cfg.max_topk_prompt_logprobs)  # topk_sample_logprobs are bounded by it
@@ -176,6 +180,10 @@ class PagedDevice:
                     cfg.paged_decode_layers, platform, runtime.mesh.size, copy_bytes / 2**30,
                     ", MLP kernels and head [out, in]" if out_in else "", free_bytes / 2**30, self.kv_block,
                     cfg.kv_block)
+        if cfg.paged_shared_prefix and not self.shared_prefix:
+            logger.info("paged decode: shared pages are read row by row (paged_shared_prefix needs "
+                        "paged_attention_impl='blocked' with the block count found on the device; here %r, %s)",
+                        self.impl, "bucketed" if self.bucketed else "dynamic")
         self.layer_copies = LayerCopies(out_in) if self.unrolled else None
         self.pools: list | None = None
         self.sent: dict[str, tuple[np.ndarray, Any]] = {}  # `_put`: per input, the last host value and its device copy
@@ -267,7 +275,8 @@ class PagedDevice:
             # the penalty's token sets change every call (and are large): sent as they are
             presence = {"presence_sv": arrays.pop("presence_sv", None)}
             inp = SlotInputs(**(self._put(arrays | sequences) | (self.runtime.put_batch(presence)
-                                                                 if penalized else presence)))
+                                                                 if penalized else presence)),
+                             prefix=self._prefix(live, s))
             seq_shape = sequences["stop_seq_sxl"].shape[1:] if sequences else None
             ahead, key = 0, ("sample_decode", s, self.steps, stop_width, topk, penalized, seq_shape)
         else:
@@ -284,6 +293,15 @@ class PagedDevice:
                                      kv_blocks=blocks, layer_defs=layer_defs)
         self.stats["calls"] += 1
         return DecodeCall(list(live), bound, inp, out, key)
+
+    def _prefix(self, live: list[Live], s: int) -> SharedPrefix | None:
+        """The shared pages of a call's rows (tx/sampling/prefix_segments.py), in programs of 2+ slots."""
+        if not self.shared_prefix or s < 2:
+            return None
+        plan = plan_segments([lv.table if lv.alive else None for lv in live], [lv.pos for lv in live], s,
+                             self.fsdp, self.width, self.page, self.kv_block)
+        self.stats["shared_prefix_rows"] += int(np.count_nonzero(plan["len_s"]))  # rows a segment reads for
+        return SharedPrefix(**{k[7:]: x for k, x in self._put({f"prefix_{k}": x for k, x in plan.items()}).items()})
 
     def _continued(self, live: list[Live], after: DecodeCall) -> SlotInputs:
         """The inputs of a call continuing `after` on the device: its end state, the rows' grown tables."""

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from tx.kernels.shared_prefix import SharedPrefix
 from tx.sampling.filters import choose, mark_present
 from tx.sampling.layer_copies import Copies, layer_states
 
@@ -67,6 +68,8 @@ class SlotInputs(NamedTuple):
     # and its last generated tokens so far (right-aligned, -1 where it has fewer)
     stop_seq_sxl: jax.Array | None = None  # int32 [S, x, l]
     recent_sl: jax.Array | None = None  # int32 [S, l]
+    # the pages rows share, read once per segment of rows (tx/sampling/prefix_segments.py); None: each row its own
+    prefix: SharedPrefix | None = None
 
 
 class Carry(NamedTuple):
@@ -148,7 +151,7 @@ def decode_steps(model, pools: Pools, inp: SlotInputs, bound: jax.Array, copies:
         # extend the loop over KV blocks the active rows need (each row's result is independent of the count)
         at_s = jnp.where(active_s, pos_s, 0)
         hidden_s1d, pools = model.paged_forward(token_s[:, None], at_s[:, None], active_s[:, None], inp.adapter_s,
-                                                pools, inp.table_sw, impl, kv_block, kv_blocks, layers)
+                                                pools, inp.table_sw, impl, kv_block, kv_blocks, layers, inp.prefix)
         logits_sv = model.logits(hidden_s1d, inp.adapter_s, head_vd)[:, 0]
         next_s, logprob_s, chosen_top = choose(logits_sv, slot_keys(inp.seed_s, gen_s), inp.temperature_s,
                                                inp.top_k_s, inp.top_p_s, topk, inp.min_p_s,

@@ -27,6 +27,7 @@ class SamplingSettings(Protocol):
     max_decode_steps_per_call: int
     paged_attention_impl: str
     paged_kv_blocks: str
+    paged_shared_prefix: bool
     paged_decode_layers: str
     decode_slot_counts: str
     paged_async_dispatch: bool

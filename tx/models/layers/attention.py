@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from tx.kernels.attention import SelfAttentionMask, self_attention
 from tx.kernels.paged_attention import PagedKV, paged_attention
+from tx.kernels.shared_prefix import SharedPrefix
 from tx.models.config import ModelConfig
 from tx.models.layers.lora import LoRALinear
 from tx.models.layers.norm import RMSNorm
@@ -40,6 +41,7 @@ from tx.models.logical import NO_SHARDING, LogicalSharding
 Q_AXES = ("batch", "length", "heads", "head_dim")
 KV_AXES = ("batch", "length", "kv_heads", "head_dim")
 POOL_AXES = ("layers", None, None, "kv_heads", "head_dim")  # the engine's page pools `[L, N, P, kv, d]`
+PREFIX_AXES = (("batch",), ("batch",), ("batch", None), ("batch",))  # `SharedPrefix`'s arrays: split by rows
 
 
 @dataclasses.dataclass(eq=False)
@@ -126,12 +128,26 @@ def local_paged_attention(shard: LogicalSharding, cache: PagedKV, q_bthd: jax.Ar
             raise ValueError(f"page pools {pool_shape} laid out as {pool_spec} by logical_axis_rules={shard.rules}: "
                              f"a device's attention needs every layer and page, and the kv heads split like the "
                              f"query heads (over {heads_axis!r})")
+    return local_paged_read(shard, cache, q_bthd, scale, POOL_AXES)
+
+
+def local_paged_read(shard: LogicalSharding, cache: PagedKV, q_bthd: jax.Array, scale: float,
+                     pool_axes: tuple) -> jax.Array:
+    """`cache.read(q_bthd, scale)` per device, its pools laid out by `pool_axes` (one latent pool reads its
+    entries as keys and values); a shared prefix's arrays split by rows like the queries."""
     kernel = functools.partial(paged_attention, scale=scale, impl=cache.impl, kv_block=cache.kv_block,
                                platform=cache.platform, kv_blocks=cache.kv_blocks)
-    names = (Q_AXES, POOL_AXES, POOL_AXES, None, ("batch", None), ("batch", "length"))
-    run = shard.local(kernel, names, Q_AXES, q_bthd.shape, pool_shape, pool_shape, (), cache.table_bw.shape,
-                      cache.pos_bt.shape, out_shapes=q_bthd.shape)
-    return run(q_bthd, cache.k_pool, cache.v_pool, cache.layer, cache.table_bw, cache.pos_bt)
+    pools, prefix = cache.pools, () if cache.prefix is None else tuple(cache.prefix)
+
+    def read(q, *args):
+        held, (layer, table, pos), shared = args[:len(pools)], args[len(pools):len(pools) + 3], args[len(pools) + 3:]
+        return kernel(q, held[0], held[-1], layer, table, pos, prefix=SharedPrefix(*shared) if shared else None)
+
+    names = (Q_AXES, *(pool_axes,) * len(pools), None, ("batch", None), ("batch", "length"),
+             *(PREFIX_AXES if prefix else ()))
+    run = shard.local(read, names, Q_AXES, q_bthd.shape, *(p.shape for p in pools), (), cache.table_bw.shape,
+                      cache.pos_bt.shape, *(x.shape for x in prefix), out_shapes=q_bthd.shape)
+    return run(q_bthd, *pools, cache.layer, cache.table_bw, cache.pos_bt, *prefix)
 
 
 class Attention(nnx.Module):

@@ -25,9 +25,9 @@ import numpy as np
 from flax import nnx
 
 from tx.kernels.attention import SelfAttentionMask, self_attention
-from tx.kernels.paged_attention import PagedKV, paged_attention
+from tx.kernels.paged_attention import PagedKV
 from tx.models.config import ModelConfig
-from tx.models.layers.attention import KV_AXES, Q_AXES, local_with_local_grads
+from tx.models.layers.attention import KV_AXES, Q_AXES, local_paged_read, local_with_local_grads
 from tx.models.layers.lora import LoRALinear
 from tx.models.layers.norm import RMSNorm
 from tx.models.layers.rope import apply_rope, yarn_mscale
@@ -158,13 +158,4 @@ class MLAttention(nnx.Module):
     def _read(self, cache: PagedKV, q_bthx: jax.Array) -> jax.Array:
         """`cache.read` per device: its rows and query heads against every page's entries (one kv head, whole on
         every device). Never differentiated (sampling)."""
-        kernel = functools.partial(paged_attention, scale=self.scale, impl=cache.impl, kv_block=cache.kv_block,
-                                   platform=cache.platform, kv_blocks=cache.kv_blocks)
-
-        def read(q, pool, layer, table, pos):
-            return kernel(q, pool, pool, layer, table, pos)
-
-        names = (Q_AXES, LATENT_POOL_AXES, None, ("batch", None), ("batch", "length"))
-        run = self.shard.local(read, names, Q_AXES, q_bthx.shape, cache.k_pool.shape, (), cache.table_bw.shape,
-                               cache.pos_bt.shape, out_shapes=q_bthx.shape)
-        return run(q_bthx, cache.k_pool, cache.layer, cache.table_bw, cache.pos_bt)
+        return local_paged_read(self.shard, cache, q_bthx, self.scale, LATENT_POOL_AXES)

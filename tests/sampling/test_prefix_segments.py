@@ -1,0 +1,49 @@
+"""The host's plan of which decode rows read which shared pages (tx/sampling/prefix_segments.py)."""
+
+import numpy as np
+
+from tx.sampling.prefix_segments import SHARED_PREFIX_ROWS, plan_segments, segment_rows
+
+
+def test_segment_rows_divide_each_devices_slots():
+    assert segment_rows(512, 1) == SHARED_PREFIX_ROWS == 16
+    assert (segment_rows(8, 1), segment_rows(48, 2), segment_rows(6, 2), segment_rows(2, 1)) == (8, 8, 1, 2)
+
+
+def test_groups_become_segments_of_their_common_whole_blocks():
+    """Page 4, 8-key blocks, 8 slots (one segment of 8). Rows 0-2 share pages 1-3 (12 keys, position 13 or
+    more: one whole block), rows 3-4 pages 5-8 (16 keys: two blocks), row 5 shares nothing, slot 6 runs no
+    row. One place, two candidate segments: the one that saves more keys takes it."""
+    tables = [[1, 2, 3, 10], [1, 2, 3, 11], [1, 2, 3, 12], [5, 6, 7, 8, 13], [5, 6, 7, 8, 14], [20, 21], None]
+    positions = [14, 13, 15, 18, 17, 6, 0]
+    plan = plan_segments(tables, positions, 8, 1, 6, 4, 8)
+    assert plan["table_nw"].shape == (1, 6)  # one segment of 8 rows: the largest saving wins the one place
+    # rows 0-2: 3 rows x 8 keys = 24; rows 3-4: 2 rows x 16 keys = 32 -> rows 3-4 read their 16 shared keys
+    assert plan["len_s"].tolist() == [0, 0, 0, 16, 16, 0, 0, 0]
+    assert plan["table_nw"][0].tolist() == [5, 6, 7, 8, 0, 0]
+    assert sorted(plan["order_s"].tolist()) == list(range(8))
+    np.testing.assert_array_equal(plan["order_s"][plan["place_s"]], np.arange(8))
+    assert plan["order_s"][:2].tolist() == [3, 4]  # the segment's rows first, in its places
+
+
+def test_positions_cap_the_shared_keys_and_single_rows_read_nothing():
+    # two rows share 4 pages (16 keys) but one sits at position 9: only the first block (8 keys) is read shared
+    plan = plan_segments([[1, 2, 3, 4, 7], [1, 2, 3, 4, 8], [9]], [17, 9, 2], 4, 1, 5, 4, 8)
+    assert plan["len_s"].tolist() == [8, 8, 0, 0]
+    alone = plan_segments([[1, 2, 3, 4, 7]], [17], 2, 1, 5, 4, 8)
+    assert not alone["len_s"].any()
+
+
+def test_large_groups_split_and_devices_plan_their_own_rows():
+    """20 rows of one prompt over 2 devices of 16 slots: each device's rows (0-15, 16-19) form their own
+    segment, its indices local to the device."""
+    tables = [[1, 2, 3, 100 + j] for j in range(20)]
+    plan = plan_segments(tables, [15] * 20, 32, 2, 4, 4, 8)
+    assert plan["table_nw"].tolist() == [[1, 2, 0, 0], [1, 2, 0, 0]]
+    assert plan["len_s"].tolist() == [8] * 20 + [0] * 12
+    assert plan["order_s"][16:20].tolist() == list(range(4))  # device 1's rows 16-19, as local 0-3
+    for half in (plan["order_s"][:16], plan["order_s"][16:]):
+        assert sorted(half.tolist()) == list(range(16))
+    # one device, 40 rows of one prompt, 16-row segments: 16 + 16 + 8
+    plan = plan_segments([[1, 2, 3, 200 + j] for j in range(40)], [15] * 40, 64, 1, 4, 4, 8)
+    assert np.count_nonzero(plan["len_s"]) == 40 and plan["table_nw"][:3, 0].tolist() == [1, 1, 1]

@@ -1,0 +1,79 @@
+"""Which decode rows read which shared pages (`tx.kernels.shared_prefix.SharedPrefix`), planned on the host.
+
+Rows whose page tables start with the same pages (the samples of one prompt; prompts the prefix cache
+shares) form segments of up to `c` rows (`segment_rows`); a segment's pages are the longest run of table
+entries all its rows hold in common, cut to whole attention blocks and to the rows' positions. A page id
+shared by two tables holds the same keys and values for both: rows write only pages they hold alone
+(copy-on-write of a prompt's partial page). Rows in no segment fill the remaining places with nothing to
+read there (`len_s` 0). Where the batch is split over devices, each device's rows form their own segments
+and every index is local to the device. Pure Python over the tables, deterministic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+SHARED_PREFIX_ROWS = 16  # rows per segment: the samples of a prompt in RL come in groups of 4-16
+
+
+def segment_rows(slots: int, shards: int) -> int:
+    """Rows per segment in a call of `slots` slots split over `shards` devices: `SHARED_PREFIX_ROWS`, or the
+    largest power of two that divides a device's slots."""
+    local, c = slots // shards, SHARED_PREFIX_ROWS
+    while local % c:
+        c //= 2
+    return c
+
+
+def _common_pages(tables: list[Sequence[int]]) -> int:
+    n = min(len(t) for t in tables)
+    for i in range(n):
+        if any(t[i] != tables[0][i] for t in tables[1:]):
+            return i
+    return n
+
+
+def plan_segments(tables: Sequence[Sequence[int] | None], positions: Sequence[int], slots: int, shards: int,
+                  width: int, page: int, kv_block: int) -> dict[str, np.ndarray]:
+    """The `SharedPrefix` arrays of a decode call: row `j` (slot `j`) has page table `tables[j]` (None: the
+    slot runs no row) and its next input at `positions[j]`. Returns `order_s`, `place_s`, `len_s` (int32
+    `[slots]`) and `table_nw` (int32 `[slots // c, width]`)."""
+    c = segment_rows(slots, shards)
+    local = slots // shards
+    order_s, place_s = np.zeros(slots, np.int32), np.zeros(slots, np.int32)
+    len_s = np.zeros(slots, np.int32)
+    table_nw = np.zeros((slots // c, width), np.int32)
+    for shard in range(shards):
+        first = shard * local
+        rows = [j for j in range(first, min(first + local, len(tables))) if tables[j]]
+        by_start: dict[int, list[int]] = {}
+        for j in rows:
+            by_start.setdefault(tables[j][0], []).append(j)
+        segments = []  # (rows, pages, tokens)
+        for members in by_start.values():
+            for i in range(0, len(members) - 1, c):
+                chunk = members[i:i + c]
+                if len(chunk) < 2:
+                    continue
+                pages = _common_pages([tables[j] for j in chunk])
+                tokens = min(pages * page, min(positions[j] for j in chunk)) // kv_block * kv_block
+                if tokens:
+                    segments.append((chunk, tables[chunk[0]][:tokens // page], tokens))
+        # the most keys saved first, where there are more segments than places
+        segments.sort(key=lambda seg: -len(seg[0]) * seg[2])
+        segments = segments[: local // c]
+        placed = [None] * local  # place -> local row
+        for k, (chunk, pages, tokens) in enumerate(segments):
+            table_nw[first // c + k, : len(pages)] = pages
+            for i, j in enumerate(chunk):
+                placed[k * c + i] = j - first
+                len_s[j] = tokens
+        rest = iter(sorted(set(range(local)) - {r for r in placed if r is not None}))
+        for p in range(local):
+            if placed[p] is None:
+                placed[p] = next(rest)
+        order_s[first:first + local] = placed
+        place_s[first:first + local] = np.argsort(placed)
+    return {"order_s": order_s, "place_s": place_s, "table_nw": table_nw, "len_s": len_s}
