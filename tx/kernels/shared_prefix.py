@@ -38,41 +38,41 @@ def prefix_state(q_bkgd: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer,
                  scale: float, kv_block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One decode query per row, `q_bkgd` `[b, kv, g, d]`, over the keys `0 .. len_s - 1` of its segment's
     pages: the online-softmax state (max `[b, kv, g]`, sum `[b, kv, g]`, weighted values `[b, kv, g, d]`,
-    float32), blocks of `kv_block` tokens in a loop of as many blocks as the longest `len_s` spans."""
+    float32), blocks of `kv_block` tokens in a loop of as many blocks as the longest `len_s` spans. Inside
+    the loop a segment's queries are `[kv, c * g, d]` (the state likewise): the products' batch dims lead,
+    so only the gathered block is transposed for them."""
     b, kv, g, d = q_bkgd.shape
     n, w = prefix.table_nw.shape
     c = b // n
     page = k_pool.shape[2]
     pages_per_block = kv_block // page
     table_nw = jnp.pad(prefix.table_nw, ((0, 0), (0, -w % pages_per_block)))
-    q_nckgd = q_bkgd[prefix.order_s].reshape(n, c, kv, g, d)
-    len_nc = prefix.len_s[prefix.order_s].reshape(n, c)
+    q_nkmd = jnp.swapaxes(q_bkgd[prefix.order_s].reshape(n, c, kv, g, d), 1, 2).reshape(n, kv, c * g, d)
+    len_nm = jnp.repeat(prefix.len_s[prefix.order_s].reshape(n, c), g, axis=1)  # each query's keys
 
     def body(j, state):
-        m_nkcg, l_nkcg, acc_nckgd = state
-        pages_nm = jax.lax.dynamic_slice_in_dim(table_nw, j * pages_per_block, pages_per_block, axis=1)
-        k_nskd = k_pool[layer, pages_nm].reshape(n, kv_block, kv, -1)
-        v_nskd = v_pool[layer, pages_nm].reshape(n, kv_block, kv, -1)
-        seen_ncs = (j * kv_block + jnp.arange(kv_block))[None, None, :] < len_nc[:, :, None]
-        seen_nkcgs = seen_ncs[:, None, :, None, :]
-        s_nkcgs = jnp.einsum("nckgd,nskd->nkcgs", q_nckgd, k_nskd, preferred_element_type=jnp.float32)
-        s_nkcgs = jnp.where(seen_nkcgs, s_nkcgs * scale, _MASKED)
-        m_new = jnp.maximum(m_nkcg, s_nkcgs.max(axis=-1))
-        # a row that reads no key of this block keeps its state: its terms are zeros, not exp(0)
-        p_nkcgs = jnp.where(seen_nkcgs, jnp.exp(s_nkcgs - m_new[..., None]), 0.0)
-        corr_nkcg = jnp.exp(m_nkcg - m_new)
-        pv_nckgd = jnp.einsum("nkcgs,nskd->nckgd", p_nkcgs.astype(v_nskd.dtype), v_nskd,
-                              preferred_element_type=jnp.float32)
-        acc_new = acc_nckgd * jnp.transpose(corr_nkcg, (0, 2, 1, 3))[..., None] + pv_nckgd
-        return m_new, l_nkcg * corr_nkcg + p_nkcgs.sum(axis=-1), acc_new
+        m_nkm, l_nkm, acc_nkmd = state
+        pages_nb = jax.lax.dynamic_slice_in_dim(table_nw, j * pages_per_block, pages_per_block, axis=1)
+        k_nskd = k_pool[layer, pages_nb].reshape(n, kv_block, kv, -1)
+        v_nskd = v_pool[layer, pages_nb].reshape(n, kv_block, kv, -1)
+        seen_nkms = ((j * kv_block + jnp.arange(kv_block))[None, None, :] < len_nm[:, :, None])[:, None]
+        s_nkms = jnp.einsum("nkmd,nskd->nkms", q_nkmd, k_nskd, preferred_element_type=jnp.float32)
+        s_nkms = jnp.where(seen_nkms, s_nkms * scale, _MASKED)
+        m_new = jnp.maximum(m_nkm, s_nkms.max(axis=-1))
+        # a query that reads no key of this block keeps its state: its terms are zeros, not exp(0)
+        p_nkms = jnp.where(seen_nkms, jnp.exp(s_nkms - m_new[..., None]), 0.0)
+        corr_nkm = jnp.exp(m_nkm - m_new)
+        pv_nkmd = jnp.einsum("nkms,nskd->nkmd", p_nkms.astype(v_nskd.dtype), v_nskd,
+                             preferred_element_type=jnp.float32)
+        return m_new, l_nkm * corr_nkm + p_nkms.sum(axis=-1), acc_nkmd * corr_nkm[..., None] + pv_nkmd
 
-    init = (jnp.full((n, kv, c, g), _MASKED, jnp.float32), jnp.zeros((n, kv, c, g), jnp.float32),
-            jnp.zeros((n, c, kv, g, q_bkgd.shape[-1]), jnp.float32))
-    blocks = jnp.max(prefix.len_s) // kv_block
-    m_nkcg, l_nkcg, acc_nckgd = jax.lax.fori_loop(0, blocks, body, init)
+    dv = v_pool.shape[-1]
+    init = (jnp.full((n, kv, c * g), _MASKED, jnp.float32), jnp.zeros((n, kv, c * g), jnp.float32),
+            jnp.zeros((n, kv, c * g, dv), jnp.float32))
+    m_nkm, l_nkm, acc_nkmd = jax.lax.fori_loop(0, jnp.max(prefix.len_s) // kv_block, body, init)
 
-    def by_row(x_nckg):  # segment layout -> the batch's rows
-        return x_nckg.reshape(b, *x_nckg.shape[2:])[prefix.place_s]
+    def by_row(x_nkm):  # [n, kv, c * g, ...] -> the batch's rows [b, kv, g, ...]
+        x = jnp.swapaxes(x_nkm.reshape(n, kv, c, g, *x_nkm.shape[3:]), 1, 2)
+        return x.reshape(b, kv, g, *x.shape[4:])[prefix.place_s]
 
-    return (by_row(jnp.transpose(m_nkcg, (0, 2, 1, 3))), by_row(jnp.transpose(l_nkcg, (0, 2, 1, 3))),
-            by_row(acc_nckgd))
+    return by_row(m_nkm), by_row(l_nkm), by_row(acc_nkmd)
