@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tx.kernels.shared_prefix import SharedPrefix
 from tx.runtime import bucket_length, pow2
 from tx.sampling.kv_cache import table_width  # noqa: F401  (also read from here by tx/backends/precompile.py)
-from tx.kernels.shared_prefix import SharedPrefix
 from tx.sampling.layer_copies import LayerCopies
 from tx.sampling.paged_step import PrefillInputs, SlotInputs, StepOutputs, decode_steps, prefill_chunk
 from tx.sampling.prefix_segments import plan_segments
@@ -300,7 +300,7 @@ class PagedDevice:
             return None
         plan = plan_segments([lv.table if lv.alive else None for lv in live], [lv.pos for lv in live], s,
                              self.fsdp, self.width, self.page, self.kv_block)
-        self.stats["shared_prefix_rows"] += int(np.count_nonzero(plan["len_s"]))  # rows a segment reads for
+        self.stats["shared_prefix_rows"] += int(np.count_nonzero(plan["len_s"]))  # rows reading shared pages
         return SharedPrefix(**{k[7:]: x for k, x in self._put({f"prefix_{k}": x for k, x in plan.items()}).items()})
 
     def _continued(self, live: list[Live], after: DecodeCall) -> SlotInputs:
