@@ -1,13 +1,14 @@
 """Two tx sampling configs side by side in one process: which is faster, beyond one process's noise.
 
 Both backends load the same random checkpoint (bench_peer's shape and writer: transformers' `save_pretrained`),
-compile on one warm-up call each, then run `--calls` rounds; each round samples new prompts (`--batch` rows of
-`--prompt-len` tokens, `--new-tokens` greedy tokens through one adapter) on both, in alternating order. Between
+compile on one warm-up call each, then run `--calls` rounds; each round samples new prompts (`--batch` prompts of
+`--prompt-len` tokens, `--samples` rows each, `--new-tokens` tokens through one adapter, greedy or seeded at
+`--temperature`) on both, in alternating order. Between
 processes this 2-core VM varies by 5-10% (an A/A run, the same config twice, shows it), which hides effects of
 a few percent; within one process the two configs share the machine's state. One JSON line: per config the
 median and best call time and tokens/s, the ratio b / a of the medians and the median of the rounds' ratios
-(above 1: a is faster), whether the greedy
-tokens were identical in every round, and each backend's sampling counters (calls, chained calls).
+(above 1: a is faster), whether the tokens were identical in every round, and each backend's sampling counters
+(calls, chained calls, rows reading shared pages).
 
     python benchmarks/bench_config_ab.py --a '{}' --b '{"paged_async_dispatch": false}' --batch 8 --new-tokens 256
 """
@@ -36,6 +37,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--calls", type=int, default=6, help="measured rounds (each config once per round)")
+    parser.add_argument("--samples", type=int, default=1, help="rows per prompt (an RL group: they share its pages)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: seeded samples")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, to check the script works")
     args = parser.parse_args()
     if args.quick:
@@ -56,7 +59,8 @@ def main() -> None:
         warmup = {}
         for name, engine in engines.items():
             start = time.perf_counter()
-            engine.backend.sample(engine.sample_batch(prompts[-1], 1, [args.new_tokens] * args.batch, 0.0))
+            engine.backend.sample(engine.sample_batch(prompts[-1], args.samples, [args.new_tokens] * args.batch,
+                                                      args.temperature))
             warmup[name] = round(time.perf_counter() - start, 2)
         times: dict[str, list[float]] = {"a": [], "b": []}
         identical = True
@@ -64,16 +68,18 @@ def main() -> None:
             tokens = {}
             for name in ("a", "b") if i % 2 == 0 else ("b", "a"):
                 engine = engines[name]
-                request = engine.sample_batch(prompts[i], 1, [args.new_tokens] * args.batch, 0.0)
+                request = engine.sample_batch(prompts[i], args.samples, [args.new_tokens] * args.batch,
+                                              args.temperature)
                 start = time.perf_counter()
                 out = engine.backend.sample(request)
                 times[name].append(time.perf_counter() - start)
                 tokens[name] = [s.tokens for key in sorted(out) for s in out[key].sequences]
             identical &= tokens["a"] == tokens["b"]
-    generated = args.batch * args.new_tokens
+    generated = args.batch * args.samples * args.new_tokens
     line = {"workload": "config_ab", "shapes": {"hidden": args.hidden_size, "layers": args.num_layers,
                                                 "vocab": args.vocab_size, "batch": args.batch,
                                                 "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                                                "samples": args.samples, "temperature": args.temperature,
                                                 "params": params},
             "configs": configs, "calls": args.calls, "identical_tokens": identical, "warmup_s": warmup,
             "peak_rss_mb": peak_rss_mb(), "jax": jax.__version__, "device": jax.devices()[0].platform}
@@ -82,7 +88,8 @@ def main() -> None:
         line[name] = {"median_s": round(statistics.median(ts), 4), "best_s": round(min(ts), 4),
                       "tokens_per_s": round(generated / statistics.median(ts), 2),
                       "times_s": [round(t, 3) for t in ts],
-                      "calls": counters.get("calls"), "chained_calls": counters.get("chained_calls")}
+                      "calls": counters.get("calls"), "chained_calls": counters.get("chained_calls"),
+                      "shared_prefix_rows": counters.get("shared_prefix_rows")}
     line["ratio_b_over_a_time"] = round(statistics.median(times["b"]) / statistics.median(times["a"]), 4)
     line["ratio_b_over_a_paired"] = round(statistics.median(b / a for a, b in zip(times["a"], times["b"])), 4)
     print(json.dumps(line), flush=True)
