@@ -17,7 +17,9 @@
   so a row's tokens depend on neither its batch nor its slot nor preemption), and stops a slot on a stop token,
   when its last generated tokens equal one of its stop sequences (a rolling window carried through the
   loop), or at `max_tokens`. Besides the tokens it returns the slots' state at its end (`Carry`), from
-  which the host may start the next call over the same slots before reading this one's results.
+  which the host may start the next call over the same slots before reading this one's results. Where the
+  host sends `SlotInputs.prefix`, attention reads the pages rows share once per segment of rows
+  (tx/kernels/shared_prefix.py); the plan holds for every step of the call (shared pages stay shared).
 
 All shapes are fixed by the engine's configuration (slot bucket, steps, stop width, top-k width, and the
 attention's `kv_blocks` bucket when the host picks it), never by request values. The pools are donated:
