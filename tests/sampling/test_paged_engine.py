@@ -396,11 +396,14 @@ def test_min_p_and_repetition_penalty_equal_the_oracle(engines):
     assert plain.sequences[0].tokens != got["rp"].sequences[0].tokens  # the penalty changed the greedy path
 
 
-def test_the_samples_of_one_prompt_read_its_pages_once_per_segment(engines):
-    """8 seeded samples of one 25-token prompt (page 4, 8-key blocks: 6 full prompt pages, of which 24 keys
-    are read once per call for all 8 rows, tx/kernels/shared_prefix.py) next to a greedy row of another
-    prompt: tokens and log-probs equal the oracle's, which runs each row's plain forward."""
-    _, paged = engines
+def test_the_samples_of_one_prompt_read_its_pages_once_per_segment(tiny_dirs, engines):
+    """`paged_shared_prefix`: 8 seeded samples of one 25-token prompt (page 4, 8-key blocks: 6 full prompt pages,
+    of which 24 keys are read once per call for all 8 rows, tx/kernels/shared_prefix.py) next to a greedy row of
+    another prompt: tokens and log-probs equal the oracle's, which runs each row's plain forward."""
+    weights, _ = engines
+    paged = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **PAGED, paged_shared_prefix=True))
+    paged.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
+    set_adapter_weights(paged.model, paged.models["a"].adapter_index, weights, alpha=8, rank=4)
     prompt = (list(PROMPTS[0]) * 8)[:25]
     requests = [("g", "a", [(prompt, SP(max_tokens=12, temperature=1.0, seed=9, stop=[]))] * 8, False, 0),
                 ("o", "a", [(PROMPTS[1], SP(max_tokens=7, temperature=0.0, stop=[]))], False, 0)]
