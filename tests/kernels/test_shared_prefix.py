@@ -1,6 +1,7 @@
 """Decode attention reading shared pages once per segment of rows (tx/kernels/shared_prefix.py), with the
 segments planned by the host (tx/sampling/prefix_segments.py), against numpy attention over each row's
-unpaged keys and values, and against the same kernel without the shared read."""
+unpaged keys and values, and against the same kernel without the shared read: bit for bit, since a row's
+products and softmax updates are the row-by-row read's own."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -65,8 +66,29 @@ def test_shared_read_matches_numpy_and_the_row_by_row_read(products):
             want = numpy_attention(q[b].astype(np.float64), unpaged(k_pool, layer, table[b], n),
                                    unpaged(v_pool, layer, table[b], n), q_pos[b], 0.3)
             np.testing.assert_allclose(np.asarray(shared[b]), want, atol=1e-5, rtol=1e-5)
-        np.testing.assert_allclose(np.asarray(shared[: len(tables)]), np.asarray(own[: len(tables)]), atol=1e-6,
-                                   rtol=1e-6)
+        np.testing.assert_array_equal(np.asarray(shared[: len(tables)]), np.asarray(own[: len(tables)]))
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_a_rows_bits_do_not_depend_on_its_segment_or_how_much_it_shares(seed):
+    """One group of 6 rows (5 shared pages: 16 keys in 2 whole blocks) read four ways: as planned (3 segments
+    of 2 rows), in 2 segments of 3 shuffled rows, with only some rows sharing (`len_s` 0 for three, 8 for
+    one), and row by row: each row's output is the same bits every time."""
+    q, k_pool, v_pool, table, q_pos, tables = grouped_case(seed, [(5, [24, 29, 21, 35, 22, 27])], singles=[])
+    args = (jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool), 1, jnp.asarray(table), jnp.asarray(q_pos),
+            0.3, KV_BLOCK)
+    one = plan_segments(tables, q_pos[:, 0].tolist(), 6, 1, table.shape[1], PAGE, KV_BLOCK)
+    assert sorted(one["len_s"].tolist()) == [16] * 6 and one["table_nw"].shape[0] == 3  # segments of 2 rows
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(6).astype(np.int32)
+    split = dict(order_s=order, place_s=np.argsort(order).astype(np.int32), len_s=np.full(6, 16, np.int32),
+                 table_nw=np.repeat(one["table_nw"], 2, axis=0))  # two segments of 3 rows, rows shuffled
+    some = dict(one, len_s=np.array([16, 0, 8, 0, 16, 0], np.int32))
+    outs = [np.asarray(blocked_paged_attention(*args, products="reduce", prefix=as_prefix(plan)))
+            for plan in (one, split, some)]
+    outs.append(np.asarray(blocked_paged_attention(*args, products="reduce")))
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
 
 
 def test_no_shared_pages_is_the_row_by_row_read_exactly():
@@ -90,7 +112,7 @@ def test_a_static_block_count_with_shared_pages_matches():
             0.3, KV_BLOCK)
     dynamic = blocked_paged_attention(*args)
     static = blocked_paged_attention(*args, kv_blocks=8, prefix=as_prefix(plan))
-    np.testing.assert_allclose(np.asarray(static), np.asarray(dynamic), atol=1e-6, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(static), np.asarray(dynamic))
 
 
 def test_a_shared_read_is_refused_where_it_does_not_apply():

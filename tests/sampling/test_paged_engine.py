@@ -397,22 +397,25 @@ def test_min_p_and_repetition_penalty_equal_the_oracle(engines):
 
 
 def test_the_samples_of_one_prompt_read_its_pages_once_per_segment(tiny_dirs, engines):
-    """`paged_shared_prefix`: 8 seeded samples of one 25-token prompt (page 4, 8-key blocks: 6 full prompt pages,
-    of which 24 keys are read once per call for all 8 rows, tx/kernels/shared_prefix.py) next to a greedy row of
-    another prompt: tokens and log-probs equal the oracle's, which runs each row's plain forward."""
-    weights, _ = engines
-    paged = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **PAGED, paged_shared_prefix=True))
-    paged.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
-    set_adapter_weights(paged.model, paged.models["a"].adapter_index, weights, alpha=8, rank=4)
+    """`paged_shared_prefix` (on by default): 8 seeded samples of one 25-token prompt (page 4, 8-key blocks: 6
+    full prompt pages, of which 24 keys are read once per call for all 8 rows, tx/kernels/shared_prefix.py)
+    next to a greedy row of another prompt: tokens and log-probs equal the oracle's, which runs each row's
+    plain forward, and are the same bits as a backend's with the shared read off."""
+    _, paged = engines  # base-model rows: an earlier test trains the paged backend's adapter
+    assert paged.config.paged_shared_prefix
+    off = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **PAGED, paged_shared_prefix=False))
     prompt = (list(PROMPTS[0]) * 8)[:25]
-    requests = [("g", "a", [(prompt, SP(max_tokens=12, temperature=1.0, seed=9, stop=[]))] * 8, False, 0),
-                ("o", "a", [(PROMPTS[1], SP(max_tokens=7, temperature=0.0, stop=[]))], False, 0)]
-    before = paged.metrics.sampling["shared_prefix_rows"]
+    requests = [("g", "", [(prompt, SP(max_tokens=12, temperature=1.0, seed=9, stop=[]))] * 8, False, 0),
+                ("o", "", [(PROMPTS[1][::-1], SP(max_tokens=7, temperature=0.0, stop=[]))], False, 0)]
+    before = paged.metrics.sampling["shared_prefix_rows"]  # new prompts: neither backend has their pages cached
     want, got = oracle.sample(paged, sample_batch(requests)), paged.sample(sample_batch(requests))
+    plain = off.sample(sample_batch(requests))
+    assert off.metrics.sampling["shared_prefix_rows"] == 0
     for request_id in ("g", "o"):
-        a, b = want[request_id].sequences, got[request_id].sequences
-        assert [s.tokens for s in a] == [s.tokens for s in b], request_id
-        for x, y in zip(a, b):
+        a, b, c = want[request_id].sequences, got[request_id].sequences, plain[request_id].sequences
+        assert [s.tokens for s in a] == [s.tokens for s in b] == [s.tokens for s in c], request_id
+        for x, y, z in zip(a, b, c):
             np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)
+            assert y.logprobs == z.logprobs  # the same bits with the shared read off
     assert len({tuple(s.tokens) for s in got["g"].sequences}) == 8
     assert paged.metrics.sampling["shared_prefix_rows"] - before >= 8  # every call reads them shared

@@ -34,10 +34,14 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from tx.kernels.attention import _MASKED, attention
+from tx.kernels.attention import attention
+from tx.kernels.paged_blocks import (DECODE_PRODUCTS, attend_block, block_products, decode_products, gather_pages,
+                                     initial_state)
 from tx.kernels.paged_pallas import pallas_paged_attention
-from tx.kernels.platform import resolve
 from tx.kernels.shared_prefix import SharedPrefix, prefix_state
+
+__all__ = ["DECODE_PRODUCTS", "PAGED_ATTENTION_IMPLS", "TRASH_PAGE", "PagedKV", "blocked_paged_attention",
+           "decode_products", "paged_attention", "reference_paged_attention", "token_slots", "write_kv_pages"]
 
 TRASH_PAGE = 0
 
@@ -59,80 +63,14 @@ def token_slots(table_bw: jax.Array, pos_bt: jax.Array, page_size: int,
     return page_bt, offset_bt
 
 
-def _gather(pool_lnpkd: jax.Array, layer, pages_bm: jax.Array) -> jax.Array:
-    """`[b, m * page_size, kv, d]`: the tokens of pages `pages_bm` of `layer`, in table order."""
-    b, m = pages_bm.shape
-    _, _, page, kv, d = pool_lnpkd.shape
-    return pool_lnpkd[layer, pages_bm].reshape(b, m * page, kv, d)
-
-
 def reference_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale: float,
                               kv_block: int = 0) -> jax.Array:
     """Dense attention over every page of the table (`kv_block` is ignored)."""
     del kv_block
-    k_bskd, v_bskd = _gather(k_pool, layer, table_bw), _gather(v_pool, layer, table_bw)
+    k_bskd, v_bskd = gather_pages(k_pool, layer, table_bw), gather_pages(v_pool, layer, table_bw)
     key_pos_s = jnp.arange(k_bskd.shape[1])
     mask_bts = key_pos_s[None, None, :] <= q_pos_bt[:, :, None]
     return attention(q_bthd, k_bskd, v_bskd, mask_bts, scale)
-
-
-def _block_scores(q_btkgd: jax.Array, k_bskd: jax.Array) -> jax.Array:
-    return jnp.einsum("btkgd,bskd->bkgts", q_btkgd, k_bskd, preferred_element_type=jnp.float32)
-
-
-def _block_values(p_bkgts: jax.Array, v_bskd: jax.Array) -> jax.Array:
-    return jnp.einsum("bkgts,bskd->btkgd", p_bkgts, v_bskd, preferred_element_type=jnp.float32)
-
-
-# Decode (t = 1) has two ways to form a block's products, chosen by `decode_products`. The gathered block
-# `[b, s, kv, d]` has the kv heads inside the token axis, so a dot with (row, kv head) batch dimensions
-# first transposes the whole block (a second copy of every key and value read).
-# - "dot": every query head meets every kv head of the block as stored, `[b, s * kv, d]`, one batched
-#   matmul, and a one-hot over kv heads keeps each head's own scores (kv x the score FLOPs, tiny next to the
-#   block's bytes at one row); the masked terms are exact zeros, so the kept sums are unchanged.
-# - "reduce": an elementwise product and a sum over the head dim (scores) or the block's tokens (values):
-#   one loop fusion reading the block once, no wasted FLOPs. On CPU it is 1.5-1.8x faster than "dot" per
-#   layer at 8-512 rows (micro-benchmark at bench_peer's shape, docs/performance.md), level at one row.
-
-
-def _decode_scores_dot(q_btkgd: jax.Array, k_bskd: jax.Array) -> jax.Array:
-    b, t, kv, g, d = q_btkgd.shape
-    s = k_bskd.shape[1]
-    all_bhn = jnp.einsum("bhd,bnd->bhn", q_btkgd.reshape(b, kv * g, d), k_bskd.reshape(b, s * kv, d),
-                         preferred_element_type=jnp.float32)
-    own_kk = jnp.eye(kv, dtype=jnp.float32)[:, None, None, :]  # [kv, 1, 1, kv']
-    s_bkgs = jnp.sum(all_bhn.reshape(b, kv, g, s, kv) * own_kk, axis=-1)
-    return s_bkgs[:, :, :, None, :]
-
-
-def _decode_values_dot(p_bkgts: jax.Array, v_bskd: jax.Array) -> jax.Array:
-    b, kv, g, t, s = p_bkgts.shape
-    d = v_bskd.shape[-1]
-    own_kk = jnp.eye(kv, dtype=p_bkgts.dtype)[:, None, None, :]
-    p_bhn = (p_bkgts[:, :, :, 0, :, None] * own_kk).reshape(b, kv * g, s * kv)
-    pv_bhd = jnp.einsum("bhn,bnd->bhd", p_bhn, v_bskd.reshape(b, s * kv, d), preferred_element_type=jnp.float32)
-    return pv_bhd.reshape(b, 1, kv, g, d)
-
-
-def _decode_scores_reduce(q_btkgd: jax.Array, k_bskd: jax.Array) -> jax.Array:
-    s_bskg = jnp.sum(q_btkgd[:, :1] * k_bskd[:, :, :, None, :], axis=-1, dtype=jnp.float32)
-    return jnp.transpose(s_bskg, (0, 2, 3, 1))[:, :, :, None, :]
-
-
-def _decode_values_reduce(p_bkgts: jax.Array, v_bskd: jax.Array) -> jax.Array:
-    p_bskg = jnp.transpose(p_bkgts[:, :, :, 0, :], (0, 3, 1, 2))
-    pv_bkgd = jnp.sum(p_bskg[..., None] * v_bskd[:, :, :, None, :], axis=1, dtype=jnp.float32)
-    return pv_bkgd[:, None]
-
-
-DECODE_PRODUCTS = {"dot": (_decode_scores_dot, _decode_values_dot),
-                   "reduce": (_decode_scores_reduce, _decode_values_reduce)}
-
-
-def decode_products(rows: int, platform: str | None) -> str:
-    """How decode forms a block's products for `rows` rows in a program for `platform`: "reduce" on CPU at
-    two rows or more, "dot" otherwise (one row: level on CPU; GPUs: measured with "dot" only)."""
-    return "reduce" if rows > 1 and resolve(platform) == "cpu" else "dot"
 
 
 def blocked_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, scale: float,
@@ -156,25 +94,17 @@ def blocked_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, s
     q_btkgd = q_bthd.reshape(b, t, kv, h // kv, d)
     n_blocks = jnp.max(q_pos_bt) // kv_block + 1  # the blocks the furthest query needs
 
-    products = products or decode_products(b, platform)
-    if products not in DECODE_PRODUCTS:
-        raise ValueError(f"products={products!r} is not one of {', '.join(DECODE_PRODUCTS)}")
-    scores, weighted_values = DECODE_PRODUCTS[products] if t == 1 else (_block_scores, _block_values)
-
-    g = h // kv
-    init = (jnp.int32(0), jnp.full((b, kv, g, t), _MASKED, jnp.float32), jnp.zeros((b, kv, g, t), jnp.float32),
-            jnp.zeros((b, t, kv, g, d), jnp.float32))
+    products_fns = block_products(t, products or decode_products(b, platform))
+    init = initial_state(b, kv, h // kv, t, v_pool.shape[-1])
     first_b = None  # each row's first block of its own (with a prefix)
     if prefix is not None:
         if t != 1:
             raise ValueError(f"a shared prefix is read by decode (one query per row), not by {t} queries a row")
-        m_bkg, l_bkg, acc_bkgd = prefix_state(q_btkgd[:, 0], k_pool, v_pool, layer, prefix, scale, kv_block)
-        init = (jnp.int32(0), m_bkg[..., None], l_bkg[..., None], acc_bkgd[:, None])
+        init = prefix_state(q_btkgd, k_pool, v_pool, layer, prefix, scale, kv_block, products_fns)
         first_b = prefix.len_s // kv_block
         n_blocks = jnp.max(q_pos_bt[:, -1] // kv_block + 1 - first_b)
 
-    def body(carry):
-        j, m_bkgt, l_bkgt, acc_btkgd = carry
+    def body(j, state):
         if first_b is None:
             pages_bm = jax.lax.dynamic_slice_in_dim(table_bw, j * pages_per_block, pages_per_block, axis=1)
             key_pos_bs = (j * kv_block + jnp.arange(kv_block))[None]
@@ -183,22 +113,15 @@ def blocked_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, s
             at_bm = block_b[:, None] * pages_per_block + jnp.arange(pages_per_block)
             pages_bm = jnp.take_along_axis(table_bw, jnp.minimum(at_bm, padded_w - 1), axis=1)
             key_pos_bs = block_b[:, None] * kv_block + jnp.arange(kv_block)
-        k_bskd, v_bskd = _gather(k_pool, layer, pages_bm), _gather(v_pool, layer, pages_bm)
+        k_bskd, v_bskd = gather_pages(k_pool, layer, pages_bm), gather_pages(v_pool, layer, pages_bm)
         mask_bts = key_pos_bs[:, None, :] <= q_pos_bt[:, :, None]
-        s_bkgts = scores(q_btkgd, k_bskd)
-        s_bkgts = jnp.where(mask_bts[:, None, None], s_bkgts * scale, _MASKED)
-        m_new = jnp.maximum(m_bkgt, s_bkgts.max(axis=-1))
-        p_bkgts = jnp.exp(s_bkgts - m_new[..., None])
-        corr_bkgt = jnp.exp(m_bkgt - m_new)
-        l_new = l_bkgt * corr_bkgt + p_bkgts.sum(axis=-1)
-        pv_btkgd = weighted_values(p_bkgts.astype(v_bskd.dtype), v_bskd)
-        acc_new = acc_btkgd * jnp.moveaxis(corr_bkgt, -1, 1)[..., None] + pv_btkgd
-        return j + 1, m_new, l_new, acc_new
+        return attend_block(state, q_btkgd, k_bskd, v_bskd, mask_bts, scale, products_fns)
 
     if kv_blocks is None:
-        _, _, l_bkgt, acc_btkgd = jax.lax.while_loop(lambda c: c[0] < n_blocks, body, init)
+        _, (_, l_bkgt, acc_btkgd) = jax.lax.while_loop(lambda c: c[0] < n_blocks,
+                                                       lambda c: (c[0] + 1, body(c[0], c[1])), (jnp.int32(0), init))
     else:  # the extra blocks are fully masked: exact no-ops
-        _, _, l_bkgt, acc_btkgd = jax.lax.fori_loop(0, kv_blocks, lambda _, c: body(c), init)
+        _, l_bkgt, acc_btkgd = jax.lax.fori_loop(0, kv_blocks, body, init)
     out_btkgd = acc_btkgd / jnp.moveaxis(l_bkgt, -1, 1)[..., None]
     return out_btkgd.reshape(b, t, h, d).astype(q_bthd.dtype)
 
