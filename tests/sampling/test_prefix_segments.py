@@ -12,15 +12,17 @@ def test_segment_rows_divide_each_devices_slots():
 
 def test_groups_become_segments_of_their_common_whole_blocks():
     """Page 4, 8-key blocks, 8 slots (one segment of 8). Rows 0-2 share pages 1-3 (12 keys, position 13 or
-    more: one whole block), rows 3-4 pages 5-8 (16 keys: two blocks), row 5 shares nothing, slot 6 runs no
-    row. One place, two candidate segments: the one that saves more keys takes it."""
-    tables = [[1, 2, 3, 10], [1, 2, 3, 11], [1, 2, 3, 12], [5, 6, 7, 8, 13], [5, 6, 7, 8, 14], [20, 21], None]
-    positions = [14, 13, 15, 18, 17, 6, 0]
-    plan = plan_segments(tables, positions, 8, 1, 6, 4, 8)
-    assert plan["table_nw"].shape == (1, 6)  # one segment of 8 rows: the largest saving wins the one place
+    more: one whole block), rows 3-4 pages 5-8 (16 keys: two blocks; at positions 25-26, 4 blocks in all),
+    row 5 shares nothing, slot 6 runs no row. One place, two candidate segments: the one that saves more
+    keys takes it."""
+    tables = [[1, 2, 3, 10], [1, 2, 3, 11], [1, 2, 3, 12], [5, 6, 7, 8, 13, 15, 17], [5, 6, 7, 8, 14, 16, 18],
+              [20, 21], None]
+    positions = [14, 13, 15, 26, 25, 6, 0]
+    plan = plan_segments(tables, positions, 8, 1, 7, 4, 8)
+    assert plan["table_nw"].shape == (1, 7)  # one segment of 8 rows: the largest saving wins the one place
     # rows 0-2: 3 rows x 8 keys = 24; rows 3-4: 2 rows x 16 keys = 32 -> rows 3-4 read their 16 shared keys
     assert plan["len_s"].tolist() == [0, 0, 0, 16, 16, 0, 0, 0]
-    assert plan["table_nw"][0].tolist() == [5, 6, 7, 8, 0, 0]
+    assert plan["table_nw"][0].tolist() == [5, 6, 7, 8, 0, 0, 0]
     assert sorted(plan["order_s"].tolist()) == list(range(8))
     np.testing.assert_array_equal(plan["order_s"][plan["place_s"]], np.arange(8))
     assert plan["order_s"][:2].tolist() == [3, 4]  # the segment's rows first, in its places
@@ -32,6 +34,30 @@ def test_positions_cap_the_shared_keys_and_single_rows_read_nothing():
     assert plan["len_s"].tolist() == [8, 8, 0, 0]
     alone = plan_segments([[1, 2, 3, 4, 7]], [17], 2, 1, 5, 4, 8)
     assert not alone["len_s"].any()
+
+
+def test_no_segments_where_they_would_lengthen_the_loops():
+    """Page 4, 8-key blocks. Two rows share 16 keys (2 blocks) at positions 17-18 (3 blocks each): read shared,
+    the loops run 2 + 1 blocks, as many as without. A row that shares nothing at position 30 (4 blocks) would
+    make it 2 + 4 against 4: no segment then (cap 0), every row reads its own table."""
+    tables = [[1, 2, 3, 4, 7], [1, 2, 3, 4, 8]]
+    assert plan_segments(tables, [17, 18], 2, 1, 8, 4, 8)["len_s"].tolist() == [16, 16]
+    plan = plan_segments(tables + [[20 + i for i in range(8)]], [17, 18, 30], 4, 1, 8, 4, 8)
+    assert not plan["len_s"].any() and plan["order_s"].tolist() == [0, 1, 2, 3]
+    # a row that shares nothing but reaches no further than the others' own keys: the segment stays
+    plan = plan_segments(tables + [[20, 21]], [17, 18, 6], 4, 1, 8, 4, 8)
+    assert plan["len_s"].tolist() == [16, 16, 0, 0]
+
+
+def test_segments_are_capped_to_the_blocks_that_shorten_the_loops():
+    """Two groups at positions 40-46 (6 blocks each): A shares 32 keys (4 blocks), B 16 (2). All read shared:
+    4 + (6 - 2) = 8 blocks; capped at 2: 2 + 4 = 6, as many as without (6) and the most keys gathered once."""
+    a = [[1 + i for i in range(8)] + [100 + j, 110 + j, 120 + j] for j in range(2)]
+    b = [[20 + i for i in range(4)] + [130 + j, 140 + j, 150 + j, 160 + j, 170 + j, 180 + j, 190 + j, 200 + j]
+         for j in range(2)]
+    plan = plan_segments(a + b, [40, 41, 45, 46], 32, 1, 12, 4, 8)  # 32 slots: two places of 16 rows
+    assert plan["len_s"][:4].tolist() == [16, 16, 16, 16] and not plan["len_s"][4:].any()
+    assert sorted(plan["table_nw"][:, :5].tolist()) == [[1, 2, 3, 4, 0], [20, 21, 22, 23, 0]]
 
 
 def test_large_groups_split_and_devices_plan_their_own_rows():

@@ -5,8 +5,11 @@ shares) form segments of up to `c` rows (`segment_rows`); a segment's pages are 
 entries all its rows hold in common, cut to whole attention blocks and to the rows' positions. A page id
 shared by two tables holds the same keys and values for both: rows write only pages they hold alone
 (copy-on-write of a prompt's partial page). Rows in no segment fill the remaining places with nothing to
-read there (`len_s` 0). Where the batch is split over devices, each device's rows form their own segments
-and every index is local to the device. Pure Python over the tables, deterministic.
+read there (`len_s` 0). A device caps its segments' blocks where reading them all would lengthen its loops
+(`_shared_cap`; 0: no segment, as where a row that shares nothing reaches furthest): a row's results are
+the same bits however much of it is read shared, so the cap is about time only. Where the batch is split
+over devices, each device's rows form their own segments and every index is local to the device. Pure
+Python over the tables, deterministic.
 """
 
 from __future__ import annotations
@@ -33,6 +36,20 @@ def _common_pages(tables: list[Sequence[int]]) -> int:
         if any(t[i] != tables[0][i] for t in tables[1:]):
             return i
     return n
+
+
+def _shared_cap(segments: list, positions: dict[int, int], kv_block: int) -> int:
+    """The most blocks a segment reads shared: the cap that runs the fewest blocks in all, the largest such
+    (the most keys gathered once). The shared loop runs as many blocks as the longest (capped) segment spans,
+    for all of a device's rows, then every row's own loop as many as the row furthest past its shared keys
+    (all the blocks of a row that shares nothing); cap 0, no segment, runs what the furthest row needs."""
+    own = {j: pos // kv_block + 1 for j, pos in positions.items()}
+    shared = {j: tokens // kv_block for chunk, _, tokens in segments for j in chunk}
+
+    def blocks(cap: int) -> int:
+        return min(cap, max(shared.values())) + max(n - min(shared.get(j, 0), cap) for j, n in own.items())
+
+    return min(sorted(set(shared.values()) | {0}, reverse=True), key=blocks)
 
 
 def plan_segments(tables: Sequence[Sequence[int] | None], positions: Sequence[int], slots: int, shards: int,
@@ -64,6 +81,9 @@ def plan_segments(tables: Sequence[Sequence[int] | None], positions: Sequence[in
         # the most keys saved first, where there are more segments than places
         segments.sort(key=lambda seg: -len(seg[0]) * seg[2])
         segments = segments[: local // c]
+        cap = _shared_cap(segments, {j: positions[j] for j in rows}, kv_block) * kv_block if segments else 0
+        segments = [(chunk, pages[: min(tokens, cap) // page], min(tokens, cap)) for chunk, pages, tokens in segments
+                    if cap]
         placed = [None] * local  # place -> local row
         for k, (chunk, pages, tokens) in enumerate(segments):
             table_nw[first // c + k, : len(pages)] = pages
