@@ -16,6 +16,8 @@ each row reading its whole table, and the shared pages read once per segment of 
 them (`tx/sampling/prefix_segments.py`, `tx/kernels/shared_prefix.py`; "shared_prefix": true).
 
     python benchmarks/bench_decode_attention.py --rows 512 --context 272 --group 16 --prompt 128 --kv-block 32
+
+`--segment-rows C` plans segments of C rows instead of the engine's `SHARED_PREFIX_ROWS`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--group", type=int, default=0, help="rows per prompt (0: every row its own pages)")
     parser.add_argument("--prompt", type=int, default=128, help="with --group: the shared prompt's tokens")
+    parser.add_argument("--segment-rows", type=int, default=0,
+                        help="with --group: most rows per segment, a power of two (0: the engine's SHARED_PREFIX_ROWS)")
     args = parser.parse_args()
     if len(args.context) != len(args.rows):
         parser.error(f"--context has {len(args.context)} values for {len(args.rows)} --rows")
@@ -51,7 +55,9 @@ def main() -> None:
     from tx.kernels.paged_attention import DECODE_PRODUCTS, blocked_paged_attention, decode_products
     from tx.kernels.platform import platform_of
     from tx.kernels.shared_prefix import SharedPrefix
-    from tx.sampling.prefix_segments import plan_segments
+    from tx.sampling.prefix_segments import SHARED_PREFIX_ROWS, plan_segments, segment_rows
+
+    most = args.segment_rows or SHARED_PREFIX_ROWS
 
     platform = platform_of()
     for rows, ctx in zip(args.rows, args.context):
@@ -68,7 +74,7 @@ def main() -> None:
         q = jnp.asarray(rng.standard_normal((rows, 1, args.heads, args.head_dim), dtype=np.float32))
         picked = decode_products(rows, platform)
         if args.group:
-            plan = plan_segments(table.tolist(), pos[:, 0].tolist(), rows, 1, width, args.page, args.kv_block)
+            plan = plan_segments(table.tolist(), pos[:, 0].tolist(), rows, 1, width, args.page, args.kv_block, most)
             shared = SharedPrefix(*(jnp.asarray(plan[k]) for k in ("order_s", "place_s", "table_nw", "len_s")))
             variants = [(picked, None), (picked, shared)]
         else:
@@ -95,7 +101,8 @@ def main() -> None:
                                "kv_heads": args.kv_heads, "head_dim": args.head_dim, "page": args.page,
                                "kv_block": args.kv_block, "dtype": "float32"}}
             if args.group:
-                line["shapes"] |= {"group": args.group, "prompt": args.prompt}
+                line["shapes"] |= {"group": args.group, "prompt": args.prompt,
+                                   "segment_rows": segment_rows(rows, 1, most)}
                 line["shared_prefix"] = prefix is not None
             print(json.dumps(line | {
                 "layer_ms_best": round(min(times) / args.layers * 1e3, 3),

@@ -6,8 +6,9 @@ from tx.sampling.prefix_segments import SHARED_PREFIX_ROWS, plan_segments, segme
 
 
 def test_segment_rows_divide_each_devices_slots():
-    assert segment_rows(512, 1) == SHARED_PREFIX_ROWS == 16
-    assert (segment_rows(8, 1), segment_rows(48, 2), segment_rows(6, 2), segment_rows(2, 1)) == (8, 8, 1, 2)
+    assert segment_rows(512, 1) == SHARED_PREFIX_ROWS == 4
+    assert (segment_rows(8, 1), segment_rows(48, 2), segment_rows(6, 2), segment_rows(2, 1)) == (4, 4, 1, 2)
+    assert (segment_rows(8, 1, 16), segment_rows(48, 2, 16), segment_rows(512, 1, 16)) == (8, 8, 16)
 
 
 def test_groups_become_segments_of_their_common_whole_blocks():
@@ -18,7 +19,7 @@ def test_groups_become_segments_of_their_common_whole_blocks():
     tables = [[1, 2, 3, 10], [1, 2, 3, 11], [1, 2, 3, 12], [5, 6, 7, 8, 13, 15, 17], [5, 6, 7, 8, 14, 16, 18],
               [20, 21], None]
     positions = [14, 13, 15, 26, 25, 6, 0]
-    plan = plan_segments(tables, positions, 8, 1, 7, 4, 8)
+    plan = plan_segments(tables, positions, 8, 1, 7, 4, 8, most=8)
     assert plan["table_nw"].shape == (1, 7)  # one segment of 8 rows: the largest saving wins the one place
     # rows 0-2: 3 rows x 8 keys = 24; rows 3-4: 2 rows x 16 keys = 32 -> rows 3-4 read their 16 shared keys
     assert plan["len_s"].tolist() == [0, 0, 0, 16, 16, 0, 0, 0]
@@ -55,7 +56,7 @@ def test_segments_are_capped_to_the_blocks_that_shorten_the_loops():
     a = [[1 + i for i in range(8)] + [100 + j, 110 + j, 120 + j] for j in range(2)]
     b = [[20 + i for i in range(4)] + [130 + j, 140 + j, 150 + j, 160 + j, 170 + j, 180 + j, 190 + j, 200 + j]
          for j in range(2)]
-    plan = plan_segments(a + b, [40, 41, 45, 46], 32, 1, 12, 4, 8)  # 32 slots: two places of 16 rows
+    plan = plan_segments(a + b, [40, 41, 45, 46], 32, 1, 12, 4, 8, most=16)  # 32 slots: two places of 16 rows
     assert plan["len_s"][:4].tolist() == [16, 16, 16, 16] and not plan["len_s"][4:].any()
     assert sorted(plan["table_nw"][:, :5].tolist()) == [[1, 2, 3, 4, 0], [20, 21, 22, 23, 0]]
 
@@ -64,12 +65,30 @@ def test_large_groups_split_and_devices_plan_their_own_rows():
     """20 rows of one prompt over 2 devices of 16 slots: each device's rows (0-15, 16-19) form their own
     segment, its indices local to the device."""
     tables = [[1, 2, 3, 100 + j] for j in range(20)]
-    plan = plan_segments(tables, [15] * 20, 32, 2, 4, 4, 8)
+    plan = plan_segments(tables, [15] * 20, 32, 2, 4, 4, 8, most=16)
     assert plan["table_nw"].tolist() == [[1, 2, 0, 0], [1, 2, 0, 0]]
     assert plan["len_s"].tolist() == [8] * 20 + [0] * 12
     assert plan["order_s"][16:20].tolist() == list(range(4))  # device 1's rows 16-19, as local 0-3
     for half in (plan["order_s"][:16], plan["order_s"][16:]):
         assert sorted(half.tolist()) == list(range(16))
-    # one device, 40 rows of one prompt, 16-row segments: 16 + 16 + 8
-    plan = plan_segments([[1, 2, 3, 200 + j] for j in range(40)], [15] * 40, 64, 1, 4, 4, 8)
-    assert np.count_nonzero(plan["len_s"]) == 40 and plan["table_nw"][:3, 0].tolist() == [1, 1, 1]
+    # one device, 40 rows of one prompt, 16-row segments: three of 13, 13, 14 rows
+    plan = plan_segments([[1, 2, 3, 200 + j] for j in range(40)], [15] * 40, 64, 1, 4, 4, 8, most=16)
+    assert np.count_nonzero(plan["len_s"]) == 40 and plan["table_nw"][:, 0].tolist() == [1, 1, 1, 0]
+
+
+def test_groups_of_any_size_split_evenly_into_segments_of_up_to_four():
+    """The default, 4 rows a segment: a group of 16 takes 4 places, a group of 5 two (3 + 2 rows: no row of
+    it alone, reading nothing shared), a group of 2 one; 32 slots have 8 places."""
+    sizes, tables, positions = (16, 5, 2), [], []
+    for g, size in enumerate(sizes):
+        tables += [[10 * g + 1, 10 * g + 2, 500 + len(tables) + j] for j in range(size)]
+        positions += [9] * size
+    plan = plan_segments(tables, positions, 32, 1, 3, 4, 8)
+    assert plan["table_nw"].shape == (8, 3)
+    assert plan["len_s"].tolist() == [8] * 23 + [0] * 9
+    seg_rows = np.asarray(plan["order_s"]).reshape(8, 4)
+    firsts = sorted(int(plan["table_nw"][k, 0]) for k in range(7))
+    assert firsts == [1, 1, 1, 1, 11, 11, 21] and not plan["table_nw"][7].any()
+    sizes_of_five = sorted(sum(1 for j in seg_rows[k] if 16 <= j < 21) for k in range(8)
+                           if plan["table_nw"][k, 0] == 11)
+    assert sizes_of_five == [2, 3]

@@ -1,8 +1,9 @@
 """Which decode rows read which shared pages (`tx.kernels.shared_prefix.SharedPrefix`), planned on the host.
 
 Rows whose page tables start with the same pages (the samples of one prompt; prompts the prefix cache
-shares) form segments of up to `c` rows (`segment_rows`); a segment's pages are the longest run of table
-entries all its rows hold in common, cut to whole attention blocks and to the rows' positions. A page id
+shares) form segments of up to `c` rows (`segment_rows`; a larger group splits into as few even segments
+as hold it); a segment's pages are the longest run of table entries all its rows hold in common, cut to
+whole attention blocks and to the rows' positions. A page id
 shared by two tables holds the same keys and values for both: rows write only pages they hold alone
 (copy-on-write of a prompt's partial page). Rows in no segment fill the remaining places with nothing to
 read there (`len_s` 0). A device caps its segments' blocks where reading them all would lengthen its loops
@@ -18,13 +19,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-SHARED_PREFIX_ROWS = 16  # rows per segment: the samples of a prompt in RL come in groups of 4-16
+# rows per segment: RL's groups are of 4-64 samples. A segment's block is gathered once for its rows, whose
+# products are each their own, so 4 gathers a 16-row group's block 4 times and is as fast as 16 at 512 rows
+# (docs/performance.md), while groups of 4-8 then hold a place each (a call of s slots has s / 4)
+SHARED_PREFIX_ROWS = 4
 
 
-def segment_rows(slots: int, shards: int) -> int:
-    """Rows per segment in a call of `slots` slots split over `shards` devices: `SHARED_PREFIX_ROWS`, or the
-    largest power of two that divides a device's slots."""
-    local, c = slots // shards, SHARED_PREFIX_ROWS
+def segment_rows(slots: int, shards: int, most: int = SHARED_PREFIX_ROWS) -> int:
+    """Rows per segment in a call of `slots` slots split over `shards` devices: `most` (a power of two), or
+    the largest power of two that divides a device's slots."""
+    local, c = slots // shards, most
     while local % c:
         c //= 2
     return c
@@ -53,11 +57,12 @@ def _shared_cap(segments: list, positions: dict[int, int], kv_block: int) -> int
 
 
 def plan_segments(tables: Sequence[Sequence[int] | None], positions: Sequence[int], slots: int, shards: int,
-                  width: int, page: int, kv_block: int) -> dict[str, np.ndarray]:
+                  width: int, page: int, kv_block: int, most: int = SHARED_PREFIX_ROWS) -> dict[str, np.ndarray]:
     """The `SharedPrefix` arrays of a decode call: row `j` (slot `j`) has page table `tables[j]` (None: the
     slot runs no row) and its next input at `positions[j]`. Returns `order_s`, `place_s`, `len_s` (int32
-    `[slots]`) and `table_nw` (int32 `[slots // c, width]`)."""
-    c = segment_rows(slots, shards)
+    `[slots]`) and `table_nw` (int32 `[slots // c, width]`), with segments of `c = segment_rows(slots,
+    shards, most)` rows."""
+    c = segment_rows(slots, shards, most)
     local = slots // shards
     order_s, place_s = np.zeros(slots, np.int32), np.zeros(slots, np.int32)
     len_s = np.zeros(slots, np.int32)
@@ -70,8 +75,8 @@ def plan_segments(tables: Sequence[Sequence[int] | None], positions: Sequence[in
             by_start.setdefault(tables[j][0], []).append(j)
         segments = []  # (rows, pages, tokens)
         for members in by_start.values():
-            for i in range(0, len(members) - 1, c):
-                chunk = members[i:i + c]
+            k = -(-len(members) // c)  # as few segments as hold them, as even as can be (no row left alone)
+            for chunk in (members[i * len(members) // k:(i + 1) * len(members) // k] for i in range(k)):
                 if len(chunk) < 2:
                     continue
                 pages = _common_pages([tables[j] for j in chunk])
