@@ -50,17 +50,20 @@ def prefix_state(q_btkgd: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer
         return x_b[prefix.order_s].reshape(n, c, 1, *x_b.shape[1:])
 
     q_nc1tkgd, len_nc1 = by_segment(q_btkgd), by_segment(prefix.len_s)
-    # a row's update is attend_block on a batch of that row alone; the segment's block is shared by its rows
-    row_update = jax.vmap(lambda state, q, k, v, mask: attend_block(state, q, k, v, mask, scale, products),
-                          in_axes=(0, 0, None, None, 0))
-    segment_update = jax.vmap(row_update)
+    # a row's update is attend_block on a batch of that row alone, with the segment's block broadcast to it as
+    # its own operand (unbatched, vmap would fold a segment's rows into one matmul: its sums in another order)
+    segment_update = jax.vmap(jax.vmap(lambda state, q, k, v, mask: attend_block(state, q, k, v, mask, scale,
+                                                                                  products)))
+
+    def to_rows(x_nskd: jax.Array) -> jax.Array:  # [n, c, 1, block, kv, d]: the block seen by each of c rows
+        return jnp.broadcast_to(x_nskd[:, None, None], (n, c, 1, *x_nskd.shape[1:]))
 
     def body(j, state: BlockState) -> BlockState:
         pages_nb = jax.lax.dynamic_slice_in_dim(table_nw, j * pages_per_block, pages_per_block, axis=1)
-        k_n1skd = gather_pages(k_pool, layer, pages_nb)[:, None]
-        v_n1skd = gather_pages(v_pool, layer, pages_nb)[:, None]
+        k_nc1skd = to_rows(gather_pages(k_pool, layer, pages_nb))
+        v_nc1skd = to_rows(gather_pages(v_pool, layer, pages_nb))
         mask_nc1ts = ((j * kv_block + jnp.arange(kv_block))[None, None, None, :] < len_nc1[..., None])[..., None, :]
-        return segment_update(state, q_nc1tkgd, k_n1skd, v_n1skd, mask_nc1ts)
+        return segment_update(state, q_nc1tkgd, k_nc1skd, v_nc1skd, mask_nc1ts)
 
     init = initial_state(b, kv, g, 1, v_pool.shape[-1])
     placed = jax.lax.fori_loop(0, jnp.max(prefix.len_s) // kv_block, body,

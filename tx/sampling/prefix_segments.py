@@ -1,16 +1,15 @@
 """Which decode rows read which shared pages (`tx.kernels.shared_prefix.SharedPrefix`), planned on the host.
 
-Rows whose page tables start with the same pages (the samples of one prompt; prompts the prefix cache
-shares) form segments of up to `c` rows (`segment_rows`; a larger group splits into as few even segments
-as hold it); a segment's pages are the longest run of table entries all its rows hold in common, cut to
-whole attention blocks and to the rows' positions. A page id
-shared by two tables holds the same keys and values for both: rows write only pages they hold alone
-(copy-on-write of a prompt's partial page). Rows in no segment fill the remaining places with nothing to
-read there (`len_s` 0). A device caps its segments' blocks where reading them all would lengthen its loops
-(`_shared_cap`; 0: no segment, as where a row that shares nothing reaches furthest): a row's results are
-the same bits however much of it is read shared, so the cap is about time only. Where the batch is split
-over devices, each device's rows form their own segments and every index is local to the device. Pure
-Python over the tables, deterministic.
+Rows whose page tables start with the same pages (the samples of one prompt; prompts the prefix cache shares)
+form segments of up to `c` rows (`segment_rows`; a larger group splits into as few even segments as hold it);
+a segment's pages are the longest run of table entries all its rows hold in common, cut to whole attention
+blocks and to the rows' positions. A page id shared by two tables holds the same keys and values for both:
+rows write only pages they hold alone (copy-on-write of a prompt's partial page). Rows in no segment fill the
+remaining places with nothing to read there (`len_s` 0). A device caps its segments' blocks where reading them
+all would lengthen its loops (`_shared_cap`; 0: no segment, as where a row that shares nothing reaches
+furthest): a row's results are the same bits however much of it is read shared, so the cap is about time only.
+Where the batch is split over devices, each device's rows form their own segments and every index is local to
+the device. Pure Python over the tables, deterministic.
 """
 
 from __future__ import annotations
