@@ -1,6 +1,7 @@
 """tx/sampling/layer_copies.py on its own: per-layer copies of stacked weights, reused while the stacks are
 unchanged, remade leaf by leaf when the model holds new arrays, with the stale copies freed as they go."""
 
+import functools
 import gc
 import weakref
 
@@ -97,12 +98,12 @@ class MlpModel:
 
 
 def test_out_in_copies_store_mlp_kernels_and_the_head_transposed_and_compute_the_same():
-    """The CPU layout: the MLP kernels' copies are `[out, in]` (`OutInKernel`, which `LoRALinear` contracts on
-    its last axis), other leaves as stacked; an untied head gets one `[vocab, d]` copy, made again only when the
+    """The CPU layout: the dense kernels' copies (attention projections, MLP) are `[out, in]` (`OutInKernel`,
+    which `LoRALinear` contracts on its last axis), other leaves as stacked; an untied head gets one `[vocab, d]` copy, made again only when the
     model holds a new head. Each layer computes what the model's own layer slice computes."""
     from flax import nnx
 
-    from tx.models.layers.lora import OutInKernel
+    from tx.models.layers.lora import LoraA, OutInKernel
 
     head_dv = stacked(5, layers=8)[:, 0]  # [d 8, vocab 4]
     model = MlpModel(head_dv)
@@ -113,18 +114,19 @@ def test_out_in_copies_store_mlp_kernels_and_the_head_transposed_and_compute_the
     x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 3, 8)), jnp.float32)
     adapter = jnp.asarray([0, 1])
     for i, layer in enumerate(layers):
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            kernel = layer["mlp"][name]["kernel"]
+        for path in (("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"), ("q_proj",)):
+            kernel = functools.reduce(lambda tree, key: tree[key], path, layer)["kernel"]
             assert isinstance(kernel, OutInKernel)
-            stacked_io = np.asarray(model.state["mlp"][name]["kernel"][...])
+            stacked_io = np.asarray(functools.reduce(lambda tree, key: tree[key], path, model.state)["kernel"][...])
             np.testing.assert_array_equal(np.asarray(kernel[...]), stacked_io[i].T)
-        assert type(layer["q_proj"]["kernel"]) is nnx.Param  # attention keeps [in, out] (no faster on CPU)
+        assert type(layer["q_proj"]["lora_a"]) is LoraA  # other leaves as stacked
         sliced = jax.tree.map(lambda a: a[i], model.state)
         mine, want = nnx.merge(model.graphdef, layer), nnx.merge(model.graphdef, sliced)
         want_out = np.asarray(want.mlp(x, adapter))
         assert np.abs(want_out).max() > 1.0
         np.testing.assert_allclose(np.asarray(mine.mlp(x, adapter)), want_out, rtol=1e-5, atol=1e-5)
-        np.testing.assert_array_equal(np.asarray(mine.q_proj(x, adapter)), np.asarray(want.q_proj(x, adapter)))
+        np.testing.assert_allclose(np.asarray(mine.q_proj(x, adapter)), np.asarray(want.q_proj(x, adapter)),
+                                   rtol=1e-5, atol=1e-5)
     made = copies.copied
     assert copies.get(model)[1].head_vd is got.head_vd and copies.copied == made  # unchanged: nothing copied
     model.head_dv = stacked(6, layers=8)[:, 0]  # a full-weight step trained the head

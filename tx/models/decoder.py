@@ -23,6 +23,7 @@ from flax import nnx
 
 from tx.kernels.attention import resolve_attention_impl, self_attention_mask
 from tx.kernels.lora import add_lora_head_delta
+from tx.kernels.out_in import out_in_product
 from tx.kernels.paged_attention import PagedKV
 from tx.kernels.platform import normalise, platform_of
 from tx.kernels.shared_prefix import SharedPrefix
@@ -213,7 +214,7 @@ class LMHead(nnx.Module):
             logits_btv = jnp.dot(h_btd, self.weight(embedding_vd), preferred_element_type=jnp.float32)
         else:
             kernel_vd = self.shard.gathered(kernel_vd, ("vocab", "embed"))
-            logits_btv = jnp.einsum("btd,vd->btv", h_btd, kernel_vd, preferred_element_type=jnp.float32)
+            logits_btv = out_in_product(h_btd, kernel_vd)
         logits_btv = self.shard.constrain(logits_btv, ("batch", "length", "vocab"))
         if adapter_b is not None:
             logits_btv = add_lora_head_delta(  # in place, vocab block by block: no per-row B

@@ -10,11 +10,13 @@ adapter's LoRA leaves (small), and the base weights (the bulk) are copied once. 
 weak reference (identity is the check, and a replaced stack is freed as usual); JAX arrays are immutable
 and every update makes new ones, so an unchanged identity means unchanged values.
 
-Layout (`out_in`, on CPU): the MLP kernels' copies are stored `[out, in]` (`OutInKernel`, read by `LoRALinear`),
-and an untied LM head gets a `[vocab, d]` copy, which decode programs of two or more rows read: XLA's CPU
-matmul of 2-64 rows reads a weight 1.15-1.3x faster so (bench_peer's 100M shape, a 32-token call: 8 rows
-1.05-1.11x, 64 rows 1.07x; one row as fast either way, and the head's one-row product ~5% slower, so it
-keeps the model's kernel). Not on other platforms: their matmul libraries take either layout.
+Layout (`out_in`, on CPU): the dense kernels' copies (attention projections and MLP) are stored `[out, in]`
+(`OutInKernel`, read by `LoRALinear`), and an untied LM head gets a `[vocab, d]` copy, which decode programs
+of two or more rows read. In this layout a product of 2-32 rows runs as a multiply and a sum, 1.3-2x the
+matmul's speed (`tx.kernels.out_in`; a whole 8-row call 1.2x); above that the matmul reads the MLP kernels
+and head 1.05-1.3x faster than `[in, out]` at 8-64 rows and the attention projections about as fast (q/o
+slower, k/v faster). One row keeps the model's head (its one-row product ~5% slower from the copy). Not on
+other platforms: their matmul libraries take either layout.
 
 Memory: one more copy of the layer weights (`Qwen3.layer_bytes()`), and of an untied head with `out_in`
 (made at the first decode call of two or more rows), held while the engine lives; the "auto" rule

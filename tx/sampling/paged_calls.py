@@ -178,7 +178,7 @@ class PagedDevice:
                     "attention blocks of %d tokens (kv_block=%r)",
                     "layers unrolled on per-layer weight copies" if self.unrolled else "layer scan over the stacks",
                     cfg.paged_decode_layers, platform, runtime.mesh.size, copy_bytes / 2**30,
-                    ", MLP kernels and head [out, in]" if out_in else "", free_bytes / 2**30, self.kv_block,
+                    ", dense kernels and head [out, in]" if out_in else "", free_bytes / 2**30, self.kv_block,
                     cfg.kv_block)
         if cfg.paged_shared_prefix and not self.shared_prefix:
             logger.info("paged decode: shared pages are read row by row (paged_shared_prefix needs "

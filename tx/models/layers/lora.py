@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tx.kernels.lora import lora_delta_rows
+from tx.kernels.out_in import out_in_product
 from tx.models.logical import LINEAR_AXES, NO_SHARDING, LogicalSharding
 
 ADAPTER_AXIS = -3
@@ -39,11 +40,11 @@ class LoraScale(nnx.Variable):
 
 class OutInKernel(nnx.Variable):
     """A copy of a `LoRALinear` kernel stored `[out, in]`, never a model parameter: unrolled decode keeps its
-    MLP kernels so on CPU (`tx.sampling.layer_copies`), where XLA's matmul of 2-64 rows reads a weight
-    1.15-1.3x faster in this layout than `[in, out]`, and one row at the same speed."""
+    dense kernels so on CPU (`tx.sampling.layer_copies`), read by `tx.kernels.out_in.out_in_product`."""
 
 
-OUT_IN_MODULES = ("gate_proj", "up_proj", "down_proj")  # the LoRALinear kernels such copies transpose
+# the LoRALinear kernels such copies transpose: the dense layers' attention projections and MLP
+OUT_IN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def lora_variables(
@@ -90,7 +91,7 @@ class LoRALinear(nnx.Module):
             lora_a_air = self.shard.gathered(lora_a_air, ("adapter", i, "rank"))
             lora_b_aro = self.shard.gathered(lora_b_aro, ("adapter", "rank", o))
         if out_in:
-            y_bto = jnp.einsum("bti,oi->bto", x_bti, kernel, preferred_element_type=jnp.float32)
+            y_bto = out_in_product(x_bti, kernel)
         else:
             y_bto = jnp.dot(x_bti, kernel, preferred_element_type=jnp.float32)
         if adapter_b is not None:
