@@ -129,7 +129,7 @@ class JaxBackendConfig(BaseModel):
         "calls of 2+ slots gather the pages several rows share (the samples of one prompt, prompts the prefix "
         "cache shares) once per segment of up to 4 such rows instead of once per row, then each row its own "
         "pages. Each row's products and softmax are the row-by-row read's own, so its results are the same bits "
-        "on or off, in any batch (CPU, RL calls of 16 samples a prompt: 1.08x with 128-token prompts, 1.30x with "
+        "on or off (CPU, RL calls of 16 samples a prompt: 1.08x with 128-token prompts, 1.30x with "
         "512; level where nothing is shared). False: every row gathers its whole table itself")
     decode_slot_counts: Literal["auto", "pow2", "three_quarters"] = Field(
         "auto", description="paged engine: the slot counts a decode call runs on (its live rows rounded up; every "

@@ -4,9 +4,10 @@ At a few rows XLA's CPU matmul reads such a weight at about half the rate a one-
 GEMM packs the weight before multiplying). Written as a multiply and a sum over `in`, with the output
 `[out, rows]`, the product is one reduction (YNNPACK's, on jax 0.10-0.12) that reads each weight row once
 and meets every input row with it while it sits in cache. Chains of distinct weights at bench_peer's ~100M
-shape, this 2-core CPU (docs/performance.md): 1.3-2.1x the matmul at 2-16 rows, 1.3-1.5x at 32, 1.05-1.3x
-at 64 and 0.86-0.97x from 128 rows, where the matmul is compute-bound. Whole decode calls gain at 8-32 rows
-and are level at 64, so `out_in_product` takes the sum for `REDUCE_ROWS` rows only.
+shape, this 2-core CPU (docs/performance.md): 1.3-2.1x the matmul on the same layout at 2-16 rows, 1.3-1.5x
+at 32, about level from 64 rows, where the matmul is compute-bound. Whole decode calls: 1.16x at 8 rows
+against the previous copies (attention projections `[in, out]`), 1.25x at 16, 1.10-1.14x at 32 and level
+at 64 against the matmul on these copies, so `out_in_product` takes the sum for `REDUCE_ROWS` rows only.
 
 Rounding: the sum's order depends on the row count, the matmul's does not. A row of a call of 2-32 rows
 agrees with itself in a call of another row count to float32 rounding (~1e-6 relative per product), as
