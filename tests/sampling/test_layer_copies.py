@@ -99,8 +99,9 @@ class MlpModel:
 
 def test_out_in_copies_store_mlp_kernels_and_the_head_transposed_and_compute_the_same():
     """The CPU layout: the dense kernels' copies (attention projections, MLP) are `[out, in]` (`OutInKernel`,
-    which `LoRALinear` contracts on its last axis), other leaves as stacked; an untied head gets one `[vocab, d]` copy, made again only when the
-    model holds a new head. Each layer computes what the model's own layer slice computes."""
+    which `LoRALinear` contracts on its last axis), other leaves as stacked; an untied head gets one `[vocab, d]`
+    copy, made again only when the model holds a new head. Each layer computes what the model's own layer slice
+    computes (to float32 rounding: 6 rows take `out_in_product`'s sum)."""
     from flax import nnx
 
     from tx.models.layers.lora import LoraA, OutInKernel

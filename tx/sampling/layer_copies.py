@@ -13,10 +13,10 @@ and every update makes new ones, so an unchanged identity means unchanged values
 Layout (`out_in`, on CPU): the dense kernels' copies (attention projections and MLP) are stored `[out, in]`
 (`OutInKernel`, read by `LoRALinear`), and an untied LM head gets a `[vocab, d]` copy, which decode programs
 of two or more rows read. In this layout a product of 2-32 rows runs as a multiply and a sum, 1.3-2x the
-matmul's speed (`tx.kernels.out_in`; a whole 8-row call 1.2x); above that the matmul reads the MLP kernels
-and head 1.05-1.3x faster than `[in, out]` at 8-64 rows and the attention projections about as fast (q/o
-slower, k/v faster). One row keeps the model's head (its one-row product ~5% slower from the copy). Not on
-other platforms: their matmul libraries take either layout.
+matmul's speed (`tx.kernels.out_in`; a whole 8-row call 1.16-1.2x); larger calls run the matmul, which reads
+this layout about as fast as `[in, out]` (earlier runs 1.05-1.3x faster for the MLP kernels and head at 8-64
+rows, one run 0.8-1.0x; RL sampling, mostly such calls, level). One row keeps the model's head (its one-row
+product ~5% slower from the copy). Not on other platforms: their matmul libraries take either layout.
 
 Memory: one more copy of the layer weights (`Qwen3.layer_bytes()`), and of an untied head with `out_in`
 (made at the first decode call of two or more rows), held while the engine lives; the "auto" rule
