@@ -57,7 +57,9 @@ def test_a_short_request_joins_a_long_batch_and_returns_first(server):
     compiles = server.get("/api/v1/metrics", key=ADMIN_KEY).json()["backend_compiles"]
     short_s, long_s = long_and_short(server, sampler, prompt)
     assert server.get("/api/v1/metrics", key=ADMIN_KEY).json()["backend_compiles"] == compiles
-    assert short_s <= 0.2 * long_s, (short_s, long_s)
+    # a short request that waited for the long batch would take ~long_s; alone on this CPU it takes ~0.14 x,
+    # in CI beside another test worker up to 0.22 x (one run of three): the bound leaves room for that load
+    assert short_s <= 0.35 * long_s, (short_s, long_s)
 
 
 def test_a_resent_conversation_reads_its_first_turn_from_the_cache(server):
