@@ -11,11 +11,13 @@ median and best call time and tokens/s, the ratio b / a of the medians and the m
 (calls, chained calls, rows reading shared pages).
 
     python benchmarks/bench_config_ab.py --a '{}' --b '{"paged_async_dispatch": false}' --batch 8 --new-tokens 256
+    python benchmarks/bench_config_ab.py --a-set '{"tx.models.decoder.PAGED_MLP_TOKENS": {}}' --batch 64 --new-tokens 32
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import tempfile
@@ -28,11 +30,20 @@ from bench_peer import TxEngine, peak_rss_mb, write_checkpoint
 from common import add_model_args
 
 
+def _constant(name: str):
+    module, attr = name.rsplit(".", 1)
+    return getattr(importlib.import_module(module), attr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(parser, hidden=768, layers=8, heads=12, kv_heads=4, intermediate=2048, head_dim=64)
     parser.add_argument("--a", default="{}", help="JSON of JaxBackendConfig fields of config a")
     parser.add_argument("--b", default="{}", help="JSON of JaxBackendConfig fields of config b")
+    parser.add_argument("--a-set", default="{}", help="JSON {\"module.CONSTANT\": value}: tx module constants that "
+                        "config a builds and traces its programs under (e.g. tx.models.decoder.PAGED_MLP_TOKENS), "
+                        "set before each of its calls")
+    parser.add_argument("--b-set", default="{}", help="the same for config b")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -48,6 +59,14 @@ def main() -> None:
     import jax
 
     configs = {"a": json.loads(args.a), "b": json.loads(args.b)}
+    constants = {"a": json.loads(args.a_set), "b": json.loads(args.b_set)}
+    originals = {name: _constant(name) for name in {**constants["a"], **constants["b"]}}
+
+    def use(config: str) -> None:  # the constants as config `config` sets them (the others as tx has them)
+        for name, value in {**originals, **constants[config]}.items():
+            module, attr = name.rsplit(".", 1)
+            setattr(importlib.import_module(module), attr, value)
+
     rng = np.random.default_rng(7)
     prompts = [rng.integers(3, args.vocab_size, (args.batch, args.prompt_len)).tolist()
                for _ in range(args.calls + 1)]
@@ -55,9 +74,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         params = write_checkpoint(model_dir, args)
-        engines = {name: TxEngine(str(model_dir), 1, seq, extra) for name, extra in configs.items()}
+        engines = {}
+        for name, extra in configs.items():
+            use(name)
+            engines[name] = TxEngine(str(model_dir), 1, seq, extra)
         warmup = {}
         for name, engine in engines.items():
+            use(name)
             start = time.perf_counter()
             engine.backend.sample(engine.sample_batch(prompts[-1], args.samples, [args.new_tokens] * args.batch,
                                                       args.temperature))
@@ -68,6 +91,7 @@ def main() -> None:
             tokens = {}
             for name in ("a", "b") if i % 2 == 0 else ("b", "a"):
                 engine = engines[name]
+                use(name)
                 request = engine.sample_batch(prompts[i], args.samples, [args.new_tokens] * args.batch,
                                               args.temperature)
                 start = time.perf_counter()
@@ -81,7 +105,8 @@ def main() -> None:
                                                 "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                                                 "samples": args.samples, "temperature": args.temperature,
                                                 "params": params},
-            "configs": configs, "calls": args.calls, "identical_tokens": identical, "warmup_s": warmup,
+            "configs": configs, "constants": constants, "calls": args.calls, "identical_tokens": identical,
+            "warmup_s": warmup,
             "peak_rss_mb": peak_rss_mb(), "jax": jax.__version__, "device": jax.devices()[0].platform}
     for name, ts in times.items():
         counters = engines[name].backend.metrics.sampling

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tx.models import decoder
 from tx.models.adapters import init_adapter
 from tx.models.config import LoraSlots
 from tx.models.layers.lora import LoraA, LoraB
@@ -109,3 +110,43 @@ def test_decode_updates_the_pools_in_place(tiny_dirs):
     pool_bytes = sum(x.nbytes for x in jax.tree.leaves(pools))
     assert mem.alias_size_in_bytes >= pool_bytes
     assert mem.temp_size_in_bytes < 0.1 * pool_bytes, (mem.temp_size_in_bytes, pool_bytes)
+
+
+@pytest.mark.parametrize("b,t,most,groups", [(64, 64, 1024, 4), (16, 64, 1024, 1), (8, 128, 1024, 1),
+                                             (32, 128, 1024, 4), (3, 1000, 1024, 1), (6, 512, 1024, 2),
+                                             (64, 1, 1024, 1), (64, 64, None, 1)])
+def test_token_groups(b, t, most, groups):
+    assert decoder.token_groups(b, t, most) == groups
+
+
+def test_prefill_mlp_in_row_groups(tiny_dirs, monkeypatch):
+    """A paged call over more tokens than `PAGED_MLP_TOKENS` allows runs its MLP over groups of rows in turn (a
+    loop in the program): its logits are the plain forward's, and its logits and pools the bits of the call run at
+    once."""
+    model = model_with_adapters(tiny_dirs["dense"])
+    rng = np.random.default_rng(3)
+    b, t = 4, 16
+    ids = rng.integers(0, model.config.vocab_size, (b, t)).astype(np.int32)
+    adapters = np.array([1, 0, 2, 1], np.int32)
+    want = np.asarray(model.logits(model(jnp.asarray(ids), jnp.ones((b, t), jnp.int32), jnp.asarray(adapters)),
+                                   jnp.asarray(adapters)))
+    table = 1 + np.arange(b * t // PAGE, dtype=np.int32).reshape(b, t // PAGE)
+    args = (jnp.asarray(ids), jnp.asarray(np.tile(np.arange(t), (b, 1))), jnp.ones((b, t), bool), jnp.asarray(adapters))
+    graphdef, state = nnx.split(model)
+    out, loops = {}, {}
+    for most in (4, None):  # 4 tokens: 4 groups of one row (16 tokens each: the smallest group is a row)
+        monkeypatch.setattr(decoder, "PAGED_MLP_TOKENS", {"cpu": most})
+
+        def hidden(state, *args):  # traced anew for each setting
+            return nnx.merge(graphdef, state).paged_forward(*args, "blocked", 8)[0]
+
+        lowered = jax.jit(hidden).lower(state, *args, empty_pools(model), jnp.asarray(table))
+        loops[most] = lowered.as_text().count("stablehlo.while")
+        run = paged_runner(model, "blocked", 8)
+        logits, pools = run(*args, empty_pools(model), jnp.asarray(table))
+        out[most] = np.asarray(logits), [np.asarray(p) for p in jax.tree.leaves(pools)]
+        np.testing.assert_allclose(out[most][0], want, atol=1e-4, rtol=1e-4)
+    assert loops[4] > loops[None], loops  # the groups' loop
+    np.testing.assert_array_equal(out[4][0], out[None][0])
+    for grouped, whole in zip(out[4][1], out[None][1]):
+        np.testing.assert_array_equal(grouped, whole)

@@ -173,13 +173,18 @@ def test_unrolled_and_scanned_layers_sample_the_same(tiny_dirs, engines, caplog)
 
 
 def test_kv_block_default_is_32_tokens_on_cpu_64_elsewhere(tiny_dirs, engines, caplog):
-    """`kv_block=None` (the default): 32-token attention blocks on CPU, 64 elsewhere, in whole pages; the engine
-    runs and logs what it resolved, and samples the tokens the 8-token blocks sample."""
-    from tx.sampling.paged_calls import kv_block_for
+    """`kv_block=None` (the default): 32-token attention blocks on CPU, 64 elsewhere, in whole pages, and prefill
+    blocks of at least 128 on CPU with 'blocked' attention; the engine runs and logs what it resolved, and samples
+    the tokens the 8-token blocks sample."""
+    from tx.sampling.paged_calls import kv_block_for, prefill_kv_block
 
     assert [kv_block_for(None, page, "cpu") for page in (4, 16, 12, 64)] == [32, 32, 36, 64]
     assert kv_block_for(None, 16, "cuda") == kv_block_for(None, 16, "tpu") == 64
     assert kv_block_for(8, 4, "cpu") == 8  # a set value is used as it is
+    assert [prefill_kv_block(32, page, "cpu", "blocked") for page in (4, 16, 12)] == [128, 128, 132]
+    assert prefill_kv_block(256, 16, "cpu", "blocked") == 256  # never smaller than decode's
+    assert prefill_kv_block(64, 16, "cuda", "blocked") == 64  # decode's elsewhere
+    assert prefill_kv_block(32, 16, "cpu", "pallas") == 32  # and with the Pallas kernel
     _, eight = engines
     caplog.set_level(logging.INFO, logger="tx.sampling.paged_calls")
     fields = {k: v for k, v in PAGED.items() if k != "kv_block"}
@@ -190,8 +195,9 @@ def test_kv_block_default_is_32_tokens_on_cpu_64_elsewhere(tiny_dirs, engines, c
     requests = requests_mixed()
     want, got = eight.sample(sample_batch(requests)), auto.sample(sample_batch(requests))
     assert auto.sampler.paged.device.kv_block == 32
+    assert auto.sampler.paged.device.prefill_block == 128
     said = [r.getMessage() for r in caplog.records if r.name == "tx.sampling.paged_calls"]
-    assert any("attention blocks of 32 tokens (kv_block=None)" in m for m in said), said
+    assert any("attention blocks of 32 tokens (kv_block=None), 128 in prefill" in m for m in said), said
     for request_id, *_ in requests:
         assert [s.tokens for s in want[request_id].sequences] == [s.tokens for s in got[request_id].sequences]
         for x, y in zip(want[request_id].sequences, got[request_id].sequences):

@@ -152,7 +152,8 @@ class JaxBackendConfig(BaseModel):
     kv_block: int | None = Field(
         None, ge=1, description="paged engine: tokens per attention block (a multiple of kv_page_size). None: "
         "32 on CPU (decode at 8-256 rows 1.03-1.14x faster than 64 there: less of the last block masked), 64 "
-        "elsewhere, rounded up to a multiple of kv_page_size")
+        "elsewhere, rounded up to a multiple of kv_page_size. Prefill calls with 'blocked' attention on CPU use "
+        "blocks of at least 128 tokens (a chunk's queries meet fewer, larger blocks)")
     max_num_samples: int = Field(128, ge=1, description="largest num_samples one sampling request may ask for")
     default_max_tokens: int = Field(
         1024, ge=0, description="new tokens of a sample request that sends max_tokens=None (the SDK default), "

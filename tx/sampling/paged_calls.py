@@ -89,6 +89,19 @@ def kv_block_for(setting: int | None, page: int, platform: str) -> int:
     return -(-(32 if platform == "cpu" else 64) // page) * page
 
 
+# A prefill call's queries (its chunks' tokens) meet their keys in larger blocks than one decode token: on
+# CPU each block's pass copies the chunks' queries and running sums, so 4 blocks of 32 for a 128-token
+# prompt cost more than 1 of 128 (64 x 128-token prompts: 1.03x a whole call, docs/performance.md).
+PREFILL_KV_BLOCK = {"cpu": 128}
+
+
+def prefill_kv_block(kv_block: int, page: int, platform: str, impl: str) -> int:
+    """Tokens per attention block of a prefill call: "blocked" attention on CPU at least `PREFILL_KV_BLOCK`
+    (whole pages), else decode's `kv_block`."""
+    least = PREFILL_KV_BLOCK.get(platform, 0) if impl == "blocked" else 0
+    return max(kv_block, -(-least // page) * page)
+
+
 def table_blocks(width: int, page: int, kv_block: int) -> int:
     """Attention blocks a table of `width` pages spans: no call needs more."""
     return -(-width * page // kv_block)
@@ -160,6 +173,7 @@ class PagedDevice:
         self.steps = max(cfg.decode_steps_per_call, cfg.max_decode_steps_per_call)  # the buffers' width
         platform = source.model.platform
         self.impl, self.kv_block = cfg.paged_attention_impl, kv_block_for(cfg.kv_block, self.page, platform)
+        self.prefill_block = prefill_kv_block(self.kv_block, self.page, platform, self.impl)
         self.max_blocks = table_blocks(self.width, self.page, self.kv_block)
         self.bucketed = self.impl == "blocked" and kv_blocks_bucketed(cfg.paged_kv_blocks, platform)
         # the shared-prefix read's block loop is found on the device (no static count to bucket)
@@ -175,11 +189,11 @@ class PagedDevice:
                                                free_bytes)
         # said once per engine: the unrolled layout holds a second copy of the layer weights on the device
         logger.info("paged decode: %s (paged_decode_layers=%r, %s x%d; the copies: %.2f GiB%s, free: %.2f GiB); "
-                    "attention blocks of %d tokens (kv_block=%r)",
+                    "attention blocks of %d tokens (kv_block=%r), %d in prefill",
                     "layers unrolled on per-layer weight copies" if self.unrolled else "layer scan over the stacks",
                     cfg.paged_decode_layers, platform, runtime.mesh.size, copy_bytes / 2**30,
                     ", dense kernels and head [out, in]" if out_in else "", free_bytes / 2**30, self.kv_block,
-                    cfg.kv_block)
+                    cfg.kv_block, self.prefill_block)
         if cfg.paged_shared_prefix and not self.shared_prefix:
             logger.info("paged decode: shared pages are read row by row (paged_shared_prefix needs "
                         "paged_attention_impl='blocked' with the block count found on the device; here %r, %s)",
@@ -256,7 +270,7 @@ class PagedDevice:
         layer_defs, copies = self.layer_copies.get(model, head=False) if unrolled else (None, None)
         self.pools = self._call(("sample_prefill", r, c), prefill_chunk, model, self._pools(), inp,
                                 copies and copies.stacks,
-                                impl=self.impl, kv_block=self.kv_block, layer_defs=layer_defs)
+                                impl=self.impl, kv_block=self.prefill_block, layer_defs=layer_defs)
 
     def decode(self, live: list[Live], bound: int, after: DecodeCall | None = None) -> DecodeCall:
         """Dispatch one call of up to `bound` steps (<= `max_decode_steps_per_call`: a traced value, one program)
