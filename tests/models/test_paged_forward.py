@@ -17,6 +17,7 @@ from tx.models.adapters import init_adapter
 from tx.models.config import LoraSlots
 from tx.models.layers.lora import LoraA, LoraB
 from tx.models.loading import load_model
+from tx.models.sharding import make_mesh
 
 SLOTS = LoraSlots(max_lora_adapters=3, max_lora_rank=4)
 PAGE, PAGES, CHUNK = 4, 40, 8
@@ -119,34 +120,53 @@ def test_token_groups(b, t, most, groups):
     assert decoder.token_groups(b, t, most) == groups
 
 
+def _prefill_args(model, b=4, t=16):
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, model.config.vocab_size, (b, t)).astype(np.int32)
+    adapters = np.array([1, 0, 2, 1], np.int32)[:b]
+    table = 1 + np.arange(b * t // PAGE, dtype=np.int32).reshape(b, t // PAGE)
+    return (jnp.asarray(ids), jnp.asarray(np.tile(np.arange(t), (b, 1))), jnp.ones((b, t), bool),
+            jnp.asarray(adapters)), jnp.asarray(table)
+
+
+def _loops(model, args, table) -> int:
+    """The while loops of the paged program (traced anew: under the constants set now)."""
+    graphdef, state = nnx.split(model)
+
+    def hidden(state, *args):
+        return nnx.merge(graphdef, state).paged_forward(*args, "blocked", 8)[0]
+
+    return jax.jit(hidden).lower(state, *args, empty_pools(model), table).as_text().count("stablehlo.while")
+
+
 def test_prefill_mlp_in_row_groups(tiny_dirs, monkeypatch):
     """A paged call over more tokens than `PAGED_MLP_TOKENS` allows runs its MLP over groups of rows in turn (a
     loop in the program): its logits are the plain forward's, and its logits and pools the bits of the call run at
     once."""
     model = model_with_adapters(tiny_dirs["dense"])
-    rng = np.random.default_rng(3)
-    b, t = 4, 16
-    ids = rng.integers(0, model.config.vocab_size, (b, t)).astype(np.int32)
-    adapters = np.array([1, 0, 2, 1], np.int32)
-    want = np.asarray(model.logits(model(jnp.asarray(ids), jnp.ones((b, t), jnp.int32), jnp.asarray(adapters)),
-                                   jnp.asarray(adapters)))
-    table = 1 + np.arange(b * t // PAGE, dtype=np.int32).reshape(b, t // PAGE)
-    args = (jnp.asarray(ids), jnp.asarray(np.tile(np.arange(t), (b, 1))), jnp.ones((b, t), bool), jnp.asarray(adapters))
-    graphdef, state = nnx.split(model)
+    args, table = _prefill_args(model)
+    ids, _, _, adapters = args
+    want = np.asarray(model.logits(model(ids, jnp.ones(ids.shape, jnp.int32), adapters), adapters))
     out, loops = {}, {}
     for most in (4, None):  # 4 tokens: 4 groups of one row (16 tokens each: the smallest group is a row)
         monkeypatch.setattr(decoder, "PAGED_MLP_TOKENS", {"cpu": most})
-
-        def hidden(state, *args):  # traced anew for each setting
-            return nnx.merge(graphdef, state).paged_forward(*args, "blocked", 8)[0]
-
-        lowered = jax.jit(hidden).lower(state, *args, empty_pools(model), jnp.asarray(table))
-        loops[most] = lowered.as_text().count("stablehlo.while")
-        run = paged_runner(model, "blocked", 8)
-        logits, pools = run(*args, empty_pools(model), jnp.asarray(table))
+        loops[most] = _loops(model, args, table)
+        logits, pools = paged_runner(model, "blocked", 8)(*args, empty_pools(model), table)
         out[most] = np.asarray(logits), [np.asarray(p) for p in jax.tree.leaves(pools)]
         np.testing.assert_allclose(out[most][0], want, atol=1e-4, rtol=1e-4)
     assert loops[4] > loops[None], loops  # the groups' loop
     np.testing.assert_array_equal(out[4][0], out[None][0])
     for grouped, whole in zip(out[4][1], out[None][1]):
         np.testing.assert_array_equal(grouped, whole)
+
+
+def test_prefill_mlp_at_once_over_several_devices(tiny_dirs, monkeypatch):
+    """Rows sharded over a mesh: the MLP runs at once (the groups were measured on one device only)."""
+    single = model_with_adapters(tiny_dirs["dense"])
+    args, table = _prefill_args(single)
+    monkeypatch.setattr(decoder, "PAGED_MLP_TOKENS", {"cpu": None})
+    at_once = _loops(single, args, table)
+    monkeypatch.setattr(decoder, "PAGED_MLP_TOKENS", {"cpu": 4})
+    assert _loops(single, args, table) > at_once
+    sharded = load_model(tiny_dirs["dense"], SLOTS, make_mesh(2, 1, 1, jax.devices()[:2]))
+    assert _loops(sharded, args, table) == at_once

@@ -64,6 +64,7 @@ NO_RECOMPUTE_DENSE = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 # Sampling prefill runs thousands of tokens a call through each layer. On CPU, XLA's GEMMs run an MLP over
 # 4,096 tokens ~14% faster as four groups of 1,024 in turn (their [tokens, intermediate] products stay in
 # cache) than at once (bench_peer's shape, docs/performance.md); a row's products are the same bits either way.
+# One device only: not measured where the rows are sharded.
 PAGED_MLP_TOKENS = {"cpu": 1024}
 
 
@@ -77,15 +78,12 @@ def token_groups(b: int, t: int, most: int | None) -> int:
 
 
 def in_row_groups(fn, x_btd: jax.Array, adapter_b: jax.Array | None, k: int) -> jax.Array:
-    """`fn(x_btd, adapter_b)` computed over `k` groups of rows in turn (`lax.map`): group j holds rows j, j + k,
-    j + 2k, ..., so a batch sharded over devices in contiguous blocks stays sharded within every group."""
+    """`fn(x_btd, adapter_b)` computed over `k` groups of consecutive rows in turn (`lax.map`)."""
     if k == 1:
         return fn(x_btd, adapter_b)
     b, t, d = x_btd.shape
-    x_kbtd = jnp.swapaxes(x_btd.reshape(b // k, k, t, d), 0, 1)
-    adapter_kb = None if adapter_b is None else adapter_b.reshape(b // k, k).T
-    out_kbtd = jax.lax.map(lambda xs: fn(*xs), (x_kbtd, adapter_kb))
-    return jnp.swapaxes(out_kbtd, 0, 1).reshape(b, t, -1)
+    adapter_kb = None if adapter_b is None else adapter_b.reshape(k, b // k)
+    return jax.lax.map(lambda xs: fn(*xs), (x_btd.reshape(k, b // k, t, d), adapter_kb)).reshape(b, t, -1)
 
 
 def remat_policy(name: str):
@@ -120,7 +118,8 @@ class DecoderLayer(nnx.Module):
             mlp_btd = self.mlp(mlp_in_btd, adapter_b, layer)
         else:
             b, t, _ = x_btd.shape
-            most = None if cache is None or self.moe else PAGED_MLP_TOKENS.get(self.platform)
+            one_device = self.shard.mesh is None or self.shard.mesh.size == 1
+            most = PAGED_MLP_TOKENS.get(self.platform) if cache is not None and one_device and not self.moe else None
             groups = token_groups(b, t, most)
             mlp_btd = in_row_groups(self.mlp, mlp_in_btd, adapter_b, groups)
         return self.shard.constrain(x_btd + mlp_btd, ("batch", "length", "embed")), kv
