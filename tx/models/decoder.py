@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -77,7 +78,8 @@ def token_groups(b: int, t: int, most: int | None) -> int:
     return k
 
 
-def in_row_groups(fn, x_btd: jax.Array, adapter_b: jax.Array | None, k: int) -> jax.Array:
+def in_row_groups(fn: Callable[[jax.Array, jax.Array | None], jax.Array], x_btd: jax.Array,
+                  adapter_b: jax.Array | None, k: int) -> jax.Array:
     """`fn(x_btd, adapter_b)` computed over `k` groups of consecutive rows in turn (`lax.map`)."""
     if k == 1:
         return fn(x_btd, adapter_b)
