@@ -113,13 +113,6 @@ def test_decode_updates_the_pools_in_place(tiny_dirs):
     assert mem.temp_size_in_bytes < 0.1 * pool_bytes, (mem.temp_size_in_bytes, pool_bytes)
 
 
-@pytest.mark.parametrize("b,t,most,groups", [(64, 64, 1024, 4), (16, 64, 1024, 1), (8, 128, 1024, 1),
-                                             (32, 128, 1024, 4), (3, 1000, 1024, 1), (6, 512, 1024, 2),
-                                             (64, 1, 1024, 1), (64, 64, None, 1)])
-def test_token_groups(b, t, most, groups):
-    assert decoder.token_groups(b, t, most) == groups
-
-
 def _prefill_args(model, b=4, t=16):
     rng = np.random.default_rng(3)
     ids = rng.integers(0, model.config.vocab_size, (b, t)).astype(np.int32)

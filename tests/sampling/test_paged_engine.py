@@ -425,3 +425,38 @@ def test_the_samples_of_one_prompt_read_its_pages_once_per_segment(tiny_dirs, en
             assert y.logprobs == z.logprobs  # the same bits with the shared read off
     assert len({tuple(s.tokens) for s in got["g"].sequences}) == 8
     assert paged.metrics.sampling["shared_prefix_rows"] - before >= 8  # every call reads them shared
+
+
+def test_a_large_calls_token_choice_in_groups_of_slots_is_the_same_bits(tiny_dirs, engines, monkeypatch):
+    """On CPU a decode call whose `[slots, vocab]` choice arrays exceed `CHOICE_GROUP_ENTRIES` chooses over groups
+    of slots in turn (tx/kernels/row_groups.py): every parameter the choice takes (greedy, temperature, top-k /
+    top-p, min-p, the repetition penalty, top-k log-probs) gives the bits of the choice made at once (the
+    `engines` backend: the tiny model's calls are below the threshold) and the oracle's tokens."""
+    from tx.sampling import paged_step
+
+    _, at_once = engines  # base-model rows: an earlier test trains its adapter
+    groups = []
+
+    def recorded(fn, args, k):
+        groups.append(k)
+        return map_row_groups(fn, args, k)
+
+    map_row_groups = paged_step.map_row_groups
+    monkeypatch.setattr(paged_step, "map_row_groups", recorded)
+    monkeypatch.setattr(paged_step, "CHOICE_GROUP_ENTRIES", {"cpu": 1})  # a group per slot
+    grouped = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **PAGED))
+    requests = [("g", "", [(PROMPTS[0], SP(max_tokens=9, temperature=0.0, stop=[]))], False, 0),
+                ("s", "", [(PROMPTS[2], SP(max_tokens=9, temperature=1.0, seed=5, stop=[]))] * 2, False, 0),
+                ("k", "", [(PROMPTS[1], SP(max_tokens=7, temperature=0.8, top_k=20, top_p=0.9, seed=1))] * 2, False, 0),
+                ("mp", "", [(PROMPTS[3], SP(max_tokens=8, temperature=0.9, min_p=0.05, repetition_penalty=0.8,
+                                             seed=2, stop=[]))] * 2, False, 0)]
+    batch = sample_batch(requests)
+    batch.request_options = [types.SampleOptions(topk_sample_logprobs=3)] * len(requests)
+    want, got = at_once.sample(batch), grouped.sample(batch)
+    assert groups and all(k > 1 for k in groups), groups
+    oracle_out = oracle.sample(at_once, batch)
+    for request_id, *_ in requests:
+        for x, y, z in zip(want[request_id].sequences, got[request_id].sequences, oracle_out[request_id].sequences):
+            assert x.tokens == y.tokens == z.tokens
+            assert x.logprobs == y.logprobs
+            assert x.topk_logprobs == y.topk_logprobs and len(y.topk_logprobs) == len(y.tokens)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +26,7 @@ from tx.kernels.lora import add_lora_head_delta
 from tx.kernels.out_in import out_in_product
 from tx.kernels.paged_attention import PagedKV
 from tx.kernels.platform import normalise, platform_of
+from tx.kernels.row_groups import group_count, map_row_groups
 from tx.kernels.shared_prefix import SharedPrefix
 from tx.models.config import LoraSlots, ModelConfig
 from tx.models.layers.attention import Attention
@@ -69,25 +69,6 @@ NO_RECOMPUTE_DENSE = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 PAGED_MLP_TOKENS = {"cpu": 1024}
 
 
-def token_groups(b: int, t: int, most: int | None) -> int:
-    """Into how many groups of rows (a power of 2 dividing `b`) a paged call of `b` rows of `t` tokens runs
-    its MLP: the fewest that hold at most `most` tokens each (1: at once; `most` None: always at once)."""
-    k = 1
-    while most is not None and b // k * t > most and b % (2 * k) == 0:
-        k *= 2
-    return k
-
-
-def in_row_groups(fn: Callable[[jax.Array, jax.Array | None], jax.Array], x_btd: jax.Array,
-                  adapter_b: jax.Array | None, k: int) -> jax.Array:
-    """`fn(x_btd, adapter_b)` computed over `k` groups of consecutive rows in turn (`lax.map`)."""
-    if k == 1:
-        return fn(x_btd, adapter_b)
-    b, t, d = x_btd.shape
-    adapter_kb = None if adapter_b is None else adapter_b.reshape(k, b // k)
-    return jax.lax.map(lambda xs: fn(*xs), (x_btd.reshape(k, b // k, t, d), adapter_kb)).reshape(b, t, -1)
-
-
 def remat_policy(name: str):
     """The `jax.checkpoint` policy called `name` (None for "none")."""
     if name not in REMAT_POLICIES:
@@ -120,10 +101,9 @@ class DecoderLayer(nnx.Module):
             mlp_btd = self.mlp(mlp_in_btd, adapter_b, layer)
         else:
             b, t, _ = x_btd.shape
-            one_device = self.shard.mesh is None or self.shard.mesh.size == 1
-            most = PAGED_MLP_TOKENS.get(self.platform) if cache is not None and one_device and not self.moe else None
-            groups = token_groups(b, t, most)
-            mlp_btd = in_row_groups(self.mlp, mlp_in_btd, adapter_b, groups)
+            grouped = cache is not None and self.shard.one_device and not self.moe
+            most = PAGED_MLP_TOKENS.get(self.platform) if grouped else None
+            mlp_btd = map_row_groups(self.mlp, (mlp_in_btd, adapter_b), group_count(b, t, most))
         return self.shard.constrain(x_btd + mlp_btd, ("batch", "length", "embed")), kv
 
 

@@ -158,7 +158,7 @@ class LogicalSharding:
     def constrain(self, x: jax.Array, names: Sequence[str | None], taken: Sequence[str] = ()) -> jax.Array:
         """`x` constrained to the layout its logical `names` give (identity without a mesh or on one device);
         a weight of a scanned stack seen whole has extra leading axes, named "layers"."""
-        if self.mesh is None or self.mesh.size == 1:
+        if self.one_device:
             return x
         if len(names) > x.ndim:
             raise ValueError(f"logical names {tuple(names)} do not match an array of shape {x.shape}")
@@ -182,7 +182,7 @@ class LogicalSharding:
         (Pallas/Mosaic calls) and for computations whose collectives tx writes itself (MoE experts). An
         argument whose names hold no "batch" (a weight) arrives in its compute layout (see `gathered`).
         Without a mesh, or on one device, `fn` itself."""
-        if self.mesh is None or self.mesh.size == 1:
+        if self.one_device:
             return fn
         shapes = shapes or (None,) * len(in_names)
         # an argument without a "batch" axis (a weight, a page pool) is read in its compute layout: as the rules
@@ -201,9 +201,14 @@ class LogicalSharding:
     def gathers(self, w: jax.Array, names: Sequence[str | None]) -> bool:
         """Whether the weight `w` named `names` is stored split over a mesh axis its compute layout is not
         (so `gathered` / `local` all-gather it)."""
-        if self.mesh is None or self.mesh.size == 1:
+        if self.one_device:
             return False
         return self.spec(names, w.shape) != self.spec(names, w.shape, taken=self.batch_axes)
+
+    @property
+    def one_device(self) -> bool:
+        """No mesh, or a mesh of one device: nothing is sharded."""
+        return self.mesh is None or self.mesh.size == 1
 
     @property
     def batch_axes(self) -> tuple[str, ...]:

@@ -33,11 +33,19 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from tx.kernels.row_groups import group_count, map_row_groups
 from tx.kernels.shared_prefix import SharedPrefix
 from tx.sampling.filters import choose, mark_present
 from tx.sampling.layer_copies import Copies, layer_states
 
 Pools = list[tuple[jax.Array, ...]]  # per layer stack: its pools (`kv_layout`)
+
+# A decode call's token choice (`filters.choose`) works on `[slots, vocab]` float32 arrays: the top-k / top-p
+# branch holds five at once, which the program's temporary buffer is sized for whether a call filters or not
+# (317 MB at 512 slots and a 32k vocabulary). On CPU it runs over groups of slots of at most this many
+# entries in turn (8 groups of 64 slots there: 2 MB entries, their arrays in cache); a row's choice is the
+# same bits either way. One device only: not measured where the slots are sharded.
+CHOICE_GROUP_ENTRIES = {"cpu": 2**21}
 
 
 class PrefillInputs(NamedTuple):
@@ -143,9 +151,13 @@ def decode_steps(model, pools: Pools, inp: SlotInputs, bound: jax.Array, copies:
 
     penalized = inp.presence_sv is not None
     sequences = inp.stop_seq_sxl is not None
+    most = CHOICE_GROUP_ENTRIES.get(model.platform) if model.layout.one_device else None
 
     def cond(state):
         return (state[0] < jnp.minimum(bound, steps)) & jnp.any(state[4])
+
+    def choose_rows(logits_sv, keys_s, temperature_s, top_k_s, top_p_s, min_p_s, penalty_s, presence_sv):
+        return choose(logits_sv, keys_s, temperature_s, top_k_s, top_p_s, topk, min_p_s, penalty_s, presence_sv)
 
     def body(state):
         k, pools, token_s, pos_s, active_s, gen_s, tokens_sk, logprobs_sk, hit_s, presence_sv, recent_sl, *top = state
@@ -155,9 +167,9 @@ def decode_steps(model, pools: Pools, inp: SlotInputs, bound: jax.Array, copies:
         hidden_s1d, pools = model.paged_forward(token_s[:, None], at_s[:, None], active_s[:, None], inp.adapter_s,
                                                 pools, inp.table_sw, impl, kv_block, kv_blocks, layers, inp.prefix)
         logits_sv = model.logits(hidden_s1d, inp.adapter_s, head_vd)[:, 0]
-        next_s, logprob_s, chosen_top = choose(logits_sv, slot_keys(inp.seed_s, gen_s), inp.temperature_s,
-                                               inp.top_k_s, inp.top_p_s, topk, inp.min_p_s,
-                                               inp.penalty_s if penalized else None, presence_sv)
+        per_slot = (logits_sv, slot_keys(inp.seed_s, gen_s), inp.temperature_s, inp.top_k_s, inp.top_p_s,
+                    inp.min_p_s, inp.penalty_s if penalized else None, presence_sv)
+        next_s, logprob_s, chosen_top = map_row_groups(choose_rows, per_slot, group_count(s, logits_sv.shape[-1], most))
         if penalized:
             presence_sv = mark_present(presence_sv, next_s, active_s)
         if topk:
