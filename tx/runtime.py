@@ -123,9 +123,13 @@ def release_freed_heap() -> bool:
 
 @functools.cache
 def _libc() -> Any:
+    """The process's C library, or None where ctypes cannot open it (Windows)."""
     import ctypes
 
-    return ctypes.CDLL(None)
+    try:
+        return ctypes.CDLL(None)
+    except (OSError, TypeError):
+        return None
 
 
 class ProgramLog:
