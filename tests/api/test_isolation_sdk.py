@@ -67,4 +67,5 @@ def test_sdk_tenants_are_isolated_and_adapters_use_tinkers_alpha(server):
     assert {c.tinker_path for c in alice_rest.list_user_checkpoints().result().checkpoints} == {sampler_path, state_path}
     out = alice.create_sampling_client(model_path=sampler_path).sample(
         T.ModelInput.from_ints([1, 2, 3]), 1, T.SamplingParams(max_tokens=2)).result()
-    assert len(out.sequences[0].tokens) == 2
+    seq = out.sequences[0]  # no seed: the server draws one, so the first token may be EOS
+    assert len(seq.tokens) == 2 or (len(seq.tokens) == 1 and seq.stop_reason == "stop"), seq
