@@ -91,6 +91,22 @@ def one_device_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return {**(os.environ if env is None else env), "XLA_FLAGS": cpu_xla_flags(1), "JAX_PLATFORMS": "cpu"}
 
 
+def resident_bytes(array) -> int:
+    """Bytes of the whole memory pages inside `array`'s CPU shards that are resident now (Linux `mincore`)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page, total = os.sysconf("SC_PAGE_SIZE"), 0
+    for shard in array.addressable_shards:
+        start = shard.data.unsafe_buffer_pointer()
+        first, end = -(-start // page) * page, (start + shard.data.nbytes) // page * page
+        vec = ctypes.create_string_buffer((end - first) // page)
+        assert libc.mincore(first, end - first, vec) == 0
+        total += page * sum(b & 1 for b in vec.raw)
+    return total
+
+
 def random_batch(seed: int, lengths: list[int], vocab: int, pad_to: int | None = None):
     """Right-padded ids, mask and next-token targets for sequences of the given lengths."""
     rng = np.random.default_rng(seed)

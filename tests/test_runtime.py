@@ -84,3 +84,28 @@ def test_a_call_that_compiles_releases_the_freed_heap(monkeypatch):
     for _ in range(3):
         assert float(runtime.run("double", program, jnp.float32(2.0))) == 4.0
     assert released == [1] and runtime.metrics.compiles == {"double": 1}
+
+
+def test_release_zero_pages_hands_back_a_zero_array_that_still_reads_zeros_and_takes_writes():
+    """A zero-filled CPU array's pages leave the resident set; it still reads zeros, and a donated in-place
+    write makes only the written pages resident again."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tests.helpers import resident_bytes
+    from tx.runtime import release_zero_pages
+
+    pool = jax.device_put(np.zeros((64, 1024, 1024), np.float32)).block_until_ready()  # 256 MB: the copy fills it
+    assert resident_bytes(pool) > 250 * 2**20
+    before = _rss_bytes()
+    assert release_zero_pages(pool) > 250 * 2**20
+    assert before - _rss_bytes() > 200 * 2**20 and resident_bytes(pool) == 0
+    write = jax.jit(lambda p, v: p.at[3].set(v), donate_argnums=0)
+    pool = write(pool, np.full((1024, 1024), 2.0, np.float32)).block_until_ready()
+    assert 4 * 2**20 <= resident_bytes(pool) <= 4 * 2**20 + 8192  # the written 4 MB
+    got = np.asarray(pool[2:5, :2, :2])
+    assert (got[1] == 2.0).all() and not got[0].any() and not got[2].any()
+    before = _rss_bytes()
+    assert float(jax.jit(lambda p: jnp.abs(p).sum())(pool)) == 2.0 * 2**20  # read whole: zeros but the write
+    assert _rss_bytes() - before < 16 * 2**20  # and not resident again (the zero pages read are the system's one)

@@ -121,6 +121,35 @@ def release_freed_heap() -> bool:
     return True
 
 
+_MADV_DONTNEED = 4  # Linux: a private anonymous page read after it is zero-filled again
+
+
+def release_zero_pages(array: Any) -> int:
+    """Hand back to the system the memory pages of `array`'s CPU shards, which must hold only zeros (the
+    caller's promise): they stay mapped and read as zeros, and become resident again only where written. A
+    paged engine's KV pool is sized for every slot at full length and zero-filled when made; after this it
+    costs the pages its rows wrote (pages are handed out lowest first). Returns the bytes released: 0 off Linux
+    (elsewhere this advice need not zero a page) and for device memory, which is no process page."""
+    import sys
+
+    madvise = getattr(_libc(), "madvise", None)
+    if sys.platform != "linux" or madvise is None:
+        return 0
+    import ctypes
+
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    page, released = os.sysconf("SC_PAGE_SIZE"), 0
+    for shard in array.addressable_shards:
+        if shard.data.devices().pop().platform != "cpu":
+            continue
+        shard.data.block_until_ready()  # nothing may still be writing it
+        start = shard.data.unsafe_buffer_pointer()
+        first, end = -(-start // page) * page, (start + shard.data.nbytes) // page * page  # whole pages inside
+        if end > first and madvise(first, end - first, _MADV_DONTNEED) == 0:
+            released += end - first
+    return released
+
+
 @functools.cache
 def _libc() -> Any:
     """The process's C library, or None where ctypes cannot open it (Windows)."""

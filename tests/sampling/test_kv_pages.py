@@ -56,6 +56,26 @@ def test_prefix_lookup_publish_and_lru_eviction():
     assert pt.lookup("w", conv) == []
 
 
+def test_forgetting_identities_frees_their_unheld_pages_for_reuse_before_unused_ones():
+    """Pages cached under the dropped identities leave the cache: unheld ones are free and handed out before
+    pages never used (on CPU an unused pool page costs no memory), held ones stay held until released, and
+    other identities' pages stay cached."""
+    pt = PageTable(num_pages=12, page_size=2)
+    old, other, held = pt.allocate(3), pt.allocate(2), pt.allocate(2)
+    pt.publish("lora:1:0", [1, 2, 3, 4, 5, 6], old)
+    pt.publish("lora:2:0", [1, 2, 3, 4], other)
+    pt.publish("row:7:1", [9, 9, 8, 8], held)
+    pt.release(old + other)
+    assert pt.forget({"lora:1:0", "row:7:1"}) == 5
+    assert pt.lookup("lora:1:0", [1, 2, 3, 4, 5, 6]) == [] and pt.lookup("row:7:1", [9, 9, 8, 8]) == []
+    assert [pt.refcount(p) for p in held] == [1, 1] and not any(pt.is_cached(p) for p in old + held)
+    assert sorted(pt.allocate(3)) == sorted(old)  # the dropped pages first, not pages 8.. never used
+    pt.release(held)
+    assert sorted(pt.allocate(2)) == sorted(held)  # uncached: freed when released
+    assert pt.lookup("lora:2:0", [1, 2, 3, 4]) == other  # another identity's pages stay cached
+    assert pt.forget({"gone"}) == 0
+
+
 def test_first_copy_of_a_prefix_wins_and_same_calls_same_decisions():
     def history():
         pt = PageTable(num_pages=9, page_size=2)

@@ -91,6 +91,46 @@ def test_small_pool_and_few_slots_wait_and_give_the_same_tokens(tiny_dirs, engin
     assert tight.sampler.paged.stats["peak_pages"] <= 50
 
 
+def test_the_kv_pools_pages_are_resident_only_where_rows_wrote(tiny_dirs, engines, caplog):
+    """On CPU the engine hands its zero-filled KV pools' pages back to the system as it makes them (a pool is
+    sized for every slot at full length): a pool of 20,000 pages that served the mixed requests holds a few
+    percent of its bytes resident, and samples the oracle's tokens. After an optim_step the pages cached with
+    the old weights are reused first: the same requests again (no cache hits now) write no new pages."""
+    from tests.helpers import resident_bytes
+
+    _, ample = engines
+    big = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **(PAGED | dict(kv_cache_pages=20_000))))
+    big.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
+    slot = ample.models["a"].adapter_index
+    set_adapter_weights(big.model, slot, get_adapter_weights(ample.model, slot, 4), alpha=8, rank=4)
+    batch = sample_batch(requests_mixed())
+
+    def sample_and_check() -> int:
+        want, got = oracle.sample(big, batch), big.sample(batch)
+        for request_id in want:
+            assert [s.tokens for s in want[request_id].sequences] == [s.tokens for s in got[request_id].sequences]
+        return sum(resident_bytes(pool) for pool in pools())
+
+    def pools() -> list:
+        return [pool for stack in big.sampler.paged.device.pools for pool in stack]
+
+    with caplog.at_level(logging.INFO, logger="tx.sampling.paged_calls"):
+        resident = sample_and_check()
+    made = sum(pool.nbytes for pool in pools())
+    assert made == 2 * 20_000 * 2 * 4 * 2 * 16 * 4  # K and V: pages x 2 layers x 4 positions x 2 kv heads x 16
+    assert 0 < resident < made / 50
+    assert "paged KV pools: 20000 pages" in caplog.text and "resident only once written" in caplog.text
+    cached = big.sampler.paged.kv.pool.stats.hit_pages
+    prompt = PROMPTS[0]
+    big.forward_backward(make_batch([("r", "a", [{"input_ids": prompt, "targets": prompt[1:] + [1],
+                                                  "weights": [1.0] * len(prompt)}], "cross_entropy", None)]))
+    big.optim_step("a", types.OptimStepInput(adam_params=types.AdamParams(learning_rate=1e-2)))
+    assert big.metrics.sampling["pages_uncached"] > 0
+    assert sample_and_check() <= resident
+    # the second round's rows hit only pages the round itself wrote ("s" shares "ga2"'s prefix), as the first's did
+    assert big.sampler.paged.kv.pool.stats.hit_pages == 2 * cached
+
+
 def test_bucketed_block_counts_give_the_same_tokens_in_few_programs(tiny_dirs, engines, monkeypatch):
     """`paged_kv_blocks="bucketed"` (GPUs' default): the host picks each call's attention block count, a power
     of two; the same requests sample the same tokens and log-probs as the device-found count (the extra blocks

@@ -31,6 +31,8 @@ SAMPLING_COUNTERS = {
     "decode_tokens": ("tx_sampling_decode_tokens", "Tokens decoded by the sampling engine"),
     "calls": ("tx_sampling_calls", "Device calls of the sampling engine"),
     "preempted": ("tx_sampling_preemptions", "Sequences preempted (their KV pages given to others)"),
+    "pages_uncached": ("tx_kv_cache_pages_uncached",
+                       "KV-cache pages dropped from the prefix cache as their adapter's weights changed"),
 }
 SAMPLING_GAUGES = {
     "kv_cache_pages": ("tx_kv_cache_pages", "KV-cache pages in the pool"),

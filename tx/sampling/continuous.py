@@ -87,7 +87,8 @@ class PagedEngine:
         self.stats = runtime.metrics.sampling  # reported by /api/v1/metrics
         self.stats.update({"prefill_tokens": 0, "prefill_tokens_cached": 0, "decode_tokens": 0, "peak_pages": 0,
                            "pages_in_use": 0, "calls": 0, "chained_calls": 0, "decode_tokens_dropped": 0,
-                           "preempted": 0, "shared_prefix_rows": 0, "kv_cache_pages": num_pages})
+                           "preempted": 0, "shared_prefix_rows": 0, "kv_cache_pages": num_pages,
+                           "pages_uncached": 0})
         self.device = PagedDevice(source, runtime, config, text, self.kv, self.stats, free)
         self._serial = 0
         self.reset()
@@ -105,6 +106,7 @@ class PagedEngine:
     def reset(self) -> None:
         """Forget every row and page (after a failed call the pages and donated pools are in an unknown state)."""
         self.kv.reset()  # only here: the prefix cache lives across calls
+        self.published: dict[int, set[str]] = {}  # adapter -> the identities its rows' pages are cached under
         self.device.pools = None
         self.device.sent.clear()
         self.inflight: DecodeCall | None = None  # dispatched before the last call was read (`_chain_steps`)
@@ -199,7 +201,7 @@ class PagedEngine:
             for g in [g for g in self.prefilling if g.ready]:
                 self.prefilling.remove(g)
                 self.ready.append(g)
-                self.kv.publish(g.identity, g.prompt[: g.prefix], g.pages)
+                self._publish(g.adapter, g.identity, g.prompt[: g.prefix], g.pages)
             # rows whose prompt this call finished take free slots now: their first token comes from this
             # iteration's decode call, not one host round trip later
             self._admit_rows()
@@ -305,7 +307,7 @@ class PagedEngine:
         self.waiting.remove(g)
         (self.prefilling if not g.ready else self.ready).append(g)
         if g.ready:
-            self.kv.publish(g.identity, g.prompt[: g.prefix], g.pages)
+            self._publish(g.adapter, g.identity, g.prompt[: g.prefix], g.pages)
         return True
 
     def _admit_rows(self) -> None:
@@ -367,7 +369,7 @@ class PagedEngine:
         return True
 
     def _unadmit(self, g: Group) -> None:
-        self.kv.publish(g.identity, g.prompt[: g.prefilled], g.pages)
+        self._publish(g.adapter, g.identity, g.prompt[: g.prefilled], g.pages)
         self.kv.free(g.pages)
         g.pages, g.prefilled = [], 0
         self.waiting.insert(0, g)
@@ -378,7 +380,7 @@ class PagedEngine:
         self.live.remove(lv)
         lv.alive = False
         identity = self._resume_identity(lv)
-        self.kv.publish(identity, self._written(lv), lv.table)
+        self._publish(lv.group.adapter, identity, self._written(lv), lv.table)
         self._leave(lv)
         prompt = np.concatenate([lv.row.spec.prompt, np.asarray(lv.row.result.tokens, np.int32)]).astype(np.int32)
         g = Group([lv.row], prompt, lv.group.adapter, identity, resumed=True, tenant=lv.group.tenant)
@@ -393,6 +395,19 @@ class PagedEngine:
             return None
         return lv.group.identity or f"row:{lv.row.serial}:{lv.group.adapter}"
 
+    def _publish(self, adapter: int, identity: str | None, tokens: np.ndarray, pages: list[int]) -> None:
+        """Offer `pages` to the prefix cache under `identity`, remembered under `adapter`, whose next weight
+        change drops them (`weights_change`)."""
+        if identity is not None:
+            self.published.setdefault(adapter, set()).add(identity)
+        self.kv.publish(identity, tokens, pages)
+
+    def weights_change(self, adapter: int) -> None:
+        """Adapter `adapter`'s weights change (no row reads it: `reads`): the pages cached under the
+        identities its rows used name weights no request will name again, so they are free again, and handed
+        out before pages never written (on CPU a pool page costs memory once written: `PagedDevice`)."""
+        self.stats["pages_uncached"] += self.kv.forget(self.published.pop(adapter, set()))
+
     def _leave(self, lv: Live) -> None:
         self.kv.free(lv.own)
         g = lv.group
@@ -404,7 +419,7 @@ class PagedEngine:
     def _finish(self, lv: Live) -> None:
         self.live.remove(lv)
         lv.alive = False
-        self.kv.publish(lv.group.identity, self._written(lv), lv.table)  # its K/V stays reusable
+        self._publish(lv.group.adapter, lv.group.identity, self._written(lv), lv.table)  # its K/V stays reusable
         self._leave(lv)
         self._done.append((lv.row.tag, lv.row.result))
 

@@ -114,6 +114,10 @@ class KVCacheManager:
         if self._caching(identity):
             self.pool.publish(identity, tokens.tolist(), pages)
 
+    def forget(self, identities: set[str]) -> int:
+        """Drop the cached pages published under `identities` (`PageTable.forget`); how many."""
+        return self.pool.forget(identities)
+
     def free(self, pages: Sequence[int]) -> None:
         """Drop the caller's hold on `pages`: a page nobody holds stays cached if published, else is free."""
         self.pool.release(pages)

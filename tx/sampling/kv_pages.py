@@ -67,6 +67,7 @@ class PageTable:
         self._held = 0
         self._hash_of: dict[int, bytes] = {}  # cached page -> its prefix hash
         self._page_of: dict[bytes, int] = {}  # prefix hash -> page
+        self._identity_of: dict[int, str] = {}  # cached page -> the weights identity it was published under
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached pages nobody holds, LRU first
 
     # ---- counts ----
@@ -100,7 +101,7 @@ class PageTable:
                 page = self._free.pop()
             else:
                 page, _ = self._evictable.popitem(last=False)
-                del self._page_of[self._hash_of.pop(page)]
+                self._uncache(page)
                 self.stats.evicted += 1
             self._refs[page] = 1
             self._held += 1
@@ -166,15 +167,25 @@ class PageTable:
                 continue
             self._page_of[h] = page
             self._hash_of[page] = h
+            self._identity_of[page] = identity
             if self._refs[page] == 0:
                 self._evictable[page] = None
             added += 1
         return added
 
-    def forget(self) -> None:
-        """Drop every cached prefix (weights changed in a way the identities do not capture)."""
-        for page in list(self._hash_of):
-            del self._page_of[self._hash_of.pop(page)]
+    def forget(self, identities: set[str] | None = None) -> int:
+        """Drop the cached prefixes published under `identities` (weights no request will name again), or
+        every one (None: weights changed in a way the identities do not capture). The pages nobody holds are
+        free again and handed out before any page never used (on CPU a pool page costs memory once written).
+        Returns how many pages were dropped from the cache."""
+        dropped = [p for p, ident in self._identity_of.items() if identities is None or ident in identities]
+        for page in dropped:
+            self._uncache(page)
             if page in self._evictable:
                 del self._evictable[page]
                 self._free.append(page)
+        return len(dropped)
+
+    def _uncache(self, page: int) -> None:
+        del self._page_of[self._hash_of.pop(page)]
+        del self._identity_of[page]

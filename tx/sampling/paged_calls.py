@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tx.kernels.shared_prefix import SharedPrefix
-from tx.runtime import bucket_length, pow2
+from tx.runtime import bucket_length, pow2, release_zero_pages
 from tx.sampling.kv_cache import table_width  # noqa: F401  (also read from here by tx/backends/precompile.py)
 from tx.sampling.layer_copies import LayerCopies
 from tx.sampling.paged_step import PrefillInputs, SlotInputs, StepOutputs, decode_steps, prefill_chunk
@@ -161,7 +161,8 @@ class DecodeCall:
 
 class PagedDevice:
     """Page pools `[layers, pages, page, *entry]` per layer stack (the model's `kv_layout`; created at first use,
-    donated to every call) and the two device calls over them."""
+    their zero pages then handed back to the system on CPU (`release_zero_pages`); donated to every call) and
+    the two device calls over them."""
 
     def __init__(self, source: WeightsSource, runtime: Runtime, config: SamplingSettings, text: TextCodec,
                  kv: KVCacheManager, stats: dict[str, int], free_bytes: int):
@@ -217,14 +218,20 @@ class PagedDevice:
             model = self.source.model
             dtype = jnp.dtype(model.embed_tokens.embedding[...].dtype)
             # per `kv_layout`: kv heads split like the attention's keys/values (tp); every page on every fsdp device
-            self.pools = []
+            self.pools, made, released = [], 0, 0
             for stack in model.stacks:
                 pools = []
                 for entry, names in model.kv_layout():
                     shape = (len(stack.layer_ids), self.num_pages, self.page, *entry)
                     layout = NamedSharding(self.runtime.mesh, model.layout.spec(("layers", None, None, *names), shape))
                     pools.append(put_global(np.zeros(shape, dtype), layout))
+                    # one pool at a time: while made, a pool is resident whole (zero-filled)
+                    made += sum(shard.data.nbytes for shard in pools[-1].addressable_shards)
+                    released += release_zero_pages(pools[-1])
                 self.pools.append(tuple(pools))
+            logger.info("paged KV pools: %d pages, %.2f GiB%s", self.num_pages, made / 2**30,
+                        f"; {released / 2**30:.2f} GiB of it resident only once written (its zero pages handed "
+                        "back to the system)" if released else "")
         return self.pools
 
     def kv_blocks(self, last_pos: int) -> int | None:

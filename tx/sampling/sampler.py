@@ -158,9 +158,11 @@ class Sampler:
 
     def before_weights_change(self, slot: int) -> None:
         """Adapter `slot`'s weights are about to change: finish the requests that sample from it first, so
-        none mixes tokens of two versions (their results wait for the next `step`)."""
+        none mixes tokens of two versions (their results wait for the next `step`); the pages cached with
+        the old weights are free again."""
         while self.paged.reads(slot):
             self._collect(self.paged.step())
+        self.paged.weights_change(slot)
 
     def sample(self, batch: types.PreparedSampleBatch) -> dict[str, types.SampleOutput | types.ErrorResponse]:
         """Every request of `batch` sampled to the end (requests submitted before keep their results for
