@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tx.kernels.shared_prefix import SharedPrefix
-from tx.runtime import bucket_length, pow2, release_zero_pages
+from tx.runtime import bucket_length, pow2
 from tx.sampling.kv_cache import table_width  # noqa: F401  (also read from here by tx/backends/precompile.py)
+from tx.sampling.kv_pools import make_pools
 from tx.sampling.layer_copies import LayerCopies
 from tx.sampling.paged_step import PrefillInputs, SlotInputs, StepOutputs, decode_steps, prefill_chunk
 from tx.sampling.prefix_segments import plan_segments
@@ -210,25 +211,7 @@ class PagedDevice:
 
     def _pools(self) -> list:
         if self.pools is None:
-            import jax.numpy as jnp
-            from jax.sharding import NamedSharding
-
-            from tx.models.sharding import put_global
-
-            model = self.source.model
-            dtype = jnp.dtype(model.embed_tokens.embedding[...].dtype)
-            # per `kv_layout`: kv heads split like the attention's keys/values (tp); every page on every fsdp device
-            self.pools, made, released = [], 0, 0
-            for stack in model.stacks:
-                pools = []
-                for entry, names in model.kv_layout():
-                    shape = (len(stack.layer_ids), self.num_pages, self.page, *entry)
-                    layout = NamedSharding(self.runtime.mesh, model.layout.spec(("layers", None, None, *names), shape))
-                    pools.append(put_global(np.zeros(shape, dtype), layout))
-                    # one pool at a time: while made, a pool is resident whole (zero-filled)
-                    made += sum(shard.data.nbytes for shard in pools[-1].addressable_shards)
-                    released += release_zero_pages(pools[-1])
-                self.pools.append(tuple(pools))
+            self.pools, made, released = make_pools(self.source.model, self.runtime.mesh, self.num_pages, self.page)
             logger.info("paged KV pools: %d pages, %.2f GiB%s", self.num_pages, made / 2**30,
                         f"; {released / 2**30:.2f} GiB of it resident only once written (its zero pages handed "
                         "back to the system)" if released else "")
