@@ -50,6 +50,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=6, help="measured rounds (each config once per round)")
     parser.add_argument("--samples", type=int, default=1, help="rows per prompt (an RL group: they share its pages)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: seeded samples")
+    parser.add_argument("--max-tokens", type=int, nargs=2, metavar=("LO", "HI"),
+                        help="max_tokens per prompt drawn in [LO, HI] (the same draws in every round; an RL "
+                        "rollout's rows end at different steps); default: `--new-tokens` for every prompt")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, to check the script works")
     args = parser.parse_args()
     if args.quick:
@@ -70,7 +73,9 @@ def main() -> None:
     rng = np.random.default_rng(7)
     prompts = [rng.integers(3, args.vocab_size, (args.batch, args.prompt_len)).tolist()
                for _ in range(args.calls + 1)]
-    seq = args.prompt_len + args.new_tokens + 1
+    max_tokens = ([args.new_tokens] * args.batch if args.max_tokens is None
+                  else rng.integers(args.max_tokens[0], args.max_tokens[1] + 1, args.batch).tolist())
+    seq = args.prompt_len + max(max_tokens) + 1
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         params = write_checkpoint(model_dir, args)
@@ -82,8 +87,7 @@ def main() -> None:
         for name, engine in engines.items():
             use(name)
             start = time.perf_counter()
-            engine.backend.sample(engine.sample_batch(prompts[-1], args.samples, [args.new_tokens] * args.batch,
-                                                      args.temperature))
+            engine.backend.sample(engine.sample_batch(prompts[-1], args.samples, max_tokens, args.temperature))
             warmup[name] = round(time.perf_counter() - start, 2)
         times: dict[str, list[float]] = {"a": [], "b": []}
         identical = True
@@ -92,17 +96,17 @@ def main() -> None:
             for name in ("a", "b") if i % 2 == 0 else ("b", "a"):
                 engine = engines[name]
                 use(name)
-                request = engine.sample_batch(prompts[i], args.samples, [args.new_tokens] * args.batch,
-                                              args.temperature)
+                request = engine.sample_batch(prompts[i], args.samples, max_tokens, args.temperature)
                 start = time.perf_counter()
                 out = engine.backend.sample(request)
                 times[name].append(time.perf_counter() - start)
                 tokens[name] = [s.tokens for key in sorted(out) for s in out[key].sequences]
             identical &= tokens["a"] == tokens["b"]
-    generated = args.batch * args.samples * args.new_tokens
+    generated = args.samples * sum(max_tokens)
     line = {"workload": "config_ab", "shapes": {"hidden": args.hidden_size, "layers": args.num_layers,
                                                 "vocab": args.vocab_size, "batch": args.batch,
                                                 "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                                                "max_tokens": args.max_tokens,
                                                 "samples": args.samples, "temperature": args.temperature,
                                                 "params": params},
             "configs": configs, "constants": constants, "calls": args.calls, "identical_tokens": identical,

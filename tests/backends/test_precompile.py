@@ -11,7 +11,7 @@ from tx import types
 from tx.backends.batching import micro_batch_shape, model_pass_shapes, plan_micro_batches
 from tx.backends.precompile import (SCRATCH, decode_block_prompts, one_row_prefill_prompts, precompile,
                                    prefill_prompt_lengths)
-from tx.sampling.paged_calls import prefill_row_count, slot_counts, slot_quarters
+from tx.sampling.paged_calls import prefill_row_count, slot_counts, slot_steps
 
 MAX_SEQ, BUDGET = 24, 32  # 3 shapes: 2 x 16 and 1 x 16, 1 x 24
 
@@ -47,13 +47,17 @@ def test_slot_counts():
     assert slot_counts(64, 1) == [1, 2, 4, 8, 16, 32, 64]
     assert slot_counts(48, 1) == [1, 2, 4, 8, 16, 32, 48]
     assert slot_counts(8, 4) == [4, 8]
-    # with three quarters of a power of 2 above 32 rows (the CPU's default)
-    assert slot_counts(64, 1, quarters=True) == [1, 2, 4, 8, 16, 32, 48, 64]
-    assert slot_counts(40, 1, quarters=True) == [1, 2, 4, 8, 16, 32, 40]
-    assert slot_counts(512, 1, quarters=True) == [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512]
-    assert slot_counts(100, 8, quarters=True) == [8, 16, 32, 48, 64, 96, 104]  # 100 rounded up to the fsdp size
-    assert [slot_quarters(s, p) for s, p in [("auto", "cpu"), ("auto", "cuda"), ("auto", "tpu"), ("pow2", "cpu"),
-                                              ("three_quarters", "cuda")]] == [True, False, False, False, True]
+    # with three quarters of a power of 2 above 32 rows
+    assert slot_counts(64, 1, steps=2) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert slot_counts(40, 1, steps=2) == [1, 2, 4, 8, 16, 32, 40]
+    assert slot_counts(512, 1, steps=2) == [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+    assert slot_counts(100, 8, steps=2) == [8, 16, 32, 48, 64, 96, 104]  # 100 rounded up to the fsdp size
+    # eighths of an octave above 32 rows (the CPU's default)
+    assert slot_counts(512, 1, steps=4) == [1, 2, 4, 8, 16, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224,
+                                            256, 320, 384, 448, 512]
+    assert slot_counts(100, 8, steps=4) == [8, 16, 32, 40, 48, 56, 64, 80, 96, 104]
+    assert [slot_steps(s, p) for s, p in [("auto", "cpu"), ("auto", "cuda"), ("auto", "tpu"), ("pow2", "cpu"),
+                                           ("three_quarters", "cuda"), ("eighths", "tpu")]] == [4, 1, 1, 1, 2, 4]
 
 
 @pytest.mark.parametrize("max_seq,page,kv_block", [(24, 4, 8), (96, 4, 8), (4096, 16, 64), (100, 16, 16)])
@@ -129,18 +133,18 @@ def test_precompile_covers_the_decode_block_buckets(tiny_dirs):
 
 
 @pytest.mark.parametrize("prefill_rows", [64, 4])
-def test_precompile_covers_the_three_quarter_slot_counts(tiny_dirs, prefill_rows):
-    """On CPU (`decode_slot_counts` "auto") 33-48 live rows decode on 48 slots: --precompile compiles that count
-    too, so a 40-row call after it compiles nothing. Also where one prefill call takes fewer prompts than there
-    are slots (prefill_rows 4): precompile's n rows still all decode together."""
+def test_precompile_covers_the_eighths_slot_counts(tiny_dirs, prefill_rows):
+    """On CPU (`decode_slot_counts` "auto") 41-48 live rows decode on 48 slots: --precompile compiles that count
+    too (and 40, 56), so a 44-row call after it compiles nothing. Also where one prefill call takes fewer
+    prompts than there are slots (prefill_rows 4): precompile's n rows still all decode together."""
     backend = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(
         max_lora_adapters=3, max_lora_rank=4, max_seq_len=MAX_SEQ, max_num_seqs=64, prefill_rows=prefill_rows,
         prefill_chunk=8, kv_page_size=4, kv_block=8, max_num_samples=1))
     backend.create_model("tenant", types.LoraConfig(rank=4, seed=1))
     summary = precompile(backend, backend, loss_fns=())
-    assert summary["sample_slot_counts"] == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert summary["sample_slot_counts"] == [1, 2, 4, 8, 16, 32, 40, 48, 56, 64]
     compiled = dict(backend.metrics.compiles)
-    res = backend.sample(_sample(40, "tenant", np.random.default_rng(3)))
+    res = backend.sample(_sample(44, "tenant", np.random.default_rng(3)))
     assert all(isinstance(r, types.SampleOutput) for r in res.values()), res
     assert backend.metrics.compiles == compiled, "a program compiled after --precompile"
 

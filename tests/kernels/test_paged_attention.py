@@ -2,6 +2,7 @@
 and Pallas kernels' batch invariance (a row's output is bit-identical whatever the other rows and the table
 width). The Pallas kernel runs in interpret mode on CPU."""
 
+import re
 from functools import partial
 
 import jax
@@ -10,8 +11,10 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+from tx.kernels import paged_blocks
 from tx.kernels.paged_attention import (TRASH_PAGE, blocked_paged_attention, decode_products, paged_attention,
                                         token_slots, write_kv_pages)
+from tx.kernels.paged_blocks import decode_row_groups
 from tx.kernels.paged_pallas import pallas_paged_attention
 
 L, PAGES, P, KV, H, D = 2, 40, 4, 2, 4, 8
@@ -92,6 +95,40 @@ def test_both_decode_products_match_numpy(products):
     alone = paged_attention(q[2:], k_pool, v_pool, 1, table[2:], q_pos[2:], 0.3, impl="blocked", kv_block=8,
                             platform="cpu")
     np.testing.assert_allclose(np.asarray(alone[0]), np.asarray(out[2]), atol=1e-6, rtol=1e-6)
+
+
+def test_decode_rows_run_in_groups_on_cpu(monkeypatch):
+    """On CPU, decode attention runs its rows in groups of at most `DECODE_ROW_GROUP` in turn, each group's
+    block loop as far as its own furthest row: 16 ragged rows in 4 groups of 4 (one group of 1-block rows,
+    one of 2-block rows) give numpy's attention, each group's rows the bits of that group run as a batch of its
+    own (found and static block counts), and the program loops over the groups (none where grouping is off)."""
+    assert [decode_row_groups(rows, "cpu") for rows in (1, 48, 64, 96, 384, 512)] == [1, 1, 1, 2, 8, 8]
+    assert decode_row_groups(512, "cuda") == decode_row_groups(512, "tpu") == 1
+    lengths = [3, 1, 4, 2, 8, 7, 5, 6, 2, 8, 3, 4, 1, 1, 1, 1]
+    q, k_pool, v_pool, table, q_pos = make_case(6, lengths, 1, width=2)
+    monkeypatch.setattr(paged_blocks, "DECODE_ROW_GROUP", 4)
+    assert decode_row_groups(16, "cpu") == 4
+
+    def attend(q, table, q_pos, kv_blocks=None):
+        return blocked_paged_attention(q, k_pool, v_pool, 1, table, q_pos, 0.3, kv_block=4, kv_blocks=kv_blocks,
+                                       platform="cpu", products="reduce")
+
+    for kv_blocks in (None, 2):
+        out = attend(q, table, q_pos, kv_blocks)
+        for b, n in enumerate(lengths):
+            want = numpy_attention(np.asarray(q[b], np.float64), unpaged(k_pool, 1, table[b], n),
+                                   unpaged(v_pool, 1, table[b], n), np.asarray(q_pos[b]), 0.3)
+            np.testing.assert_allclose(np.asarray(out[b]), want, atol=1e-5, rtol=1e-5)
+        for i in range(0, 16, 4):
+            alone = attend(q[i:i + 4], table[i:i + 4], q_pos[i:i + 4], kv_blocks)
+            np.testing.assert_array_equal(np.asarray(out[i:i + 4]), np.asarray(alone))
+    def loops():  # the program's loops: the block loop, inside a loop over the groups when grouped (a new
+        # function each time: make_jaxpr caches by function)
+        return re.findall(r"= (while|scan)\[", str(jax.make_jaxpr(lambda *a: attend(*a))(q, table, q_pos)))
+
+    assert loops() == ["scan", "while"]
+    monkeypatch.setattr(paged_blocks, "DECODE_ROW_GROUP", None)
+    assert decode_row_groups(16, "cpu") == 1 and loops() == ["while"]
 
 
 @pytest.mark.parametrize("impl", ["blocked", "pallas"])

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tests.kernels.test_paged_attention import numpy_attention, unpaged
+from tx.kernels import paged_blocks
 from tx.kernels.paged_attention import blocked_paged_attention, paged_attention
 from tx.kernels.shared_prefix import SharedPrefix
 from tx.sampling.prefix_segments import plan_segments
@@ -43,11 +44,14 @@ def as_prefix(plan):
     return SharedPrefix(*(jnp.asarray(plan[k]) for k in ("order_s", "place_s", "table_nw", "len_s")))
 
 
+@pytest.mark.parametrize("row_group", [None, 8])
 @pytest.mark.parametrize("products", ["dot", "reduce"])
-def test_shared_read_matches_numpy_and_the_row_by_row_read(products):
-    """32 slots (two segments of 16): a group of 5 rows (3 shared pages = 12 keys: one 8-key block shared), a
+def test_shared_read_matches_numpy_and_the_row_by_row_read(products, row_group, monkeypatch):
+    """32 slots (8 segments of 4): a group of 5 rows (3 shared pages = 12 keys: one 8-key block shared), a
     group of 3 with 6 shared pages (24 keys, 3 blocks), 2 rows alone, 22 empty slots; rows shuffled over the
-    slots, so a segment's rows are not neighbours."""
+    slots, so a segment's rows are not neighbours. `row_group` 8: the rows run in 4 groups (CPU's row groups,
+    `paged_blocks.DECODE_ROW_GROUP`), the segments in 4 groups of 2, each group's loops as long as its own."""
+    monkeypatch.setattr(paged_blocks, "DECODE_ROW_GROUP", row_group)
     groups = [(3, [13, 17, 22, 12, 30]), (6, [25, 26, 40])]
     q, k_pool, v_pool, table, q_pos, tables = grouped_case(0, groups, singles=[9, 21])
     slots = 32
@@ -55,12 +59,13 @@ def test_shared_read_matches_numpy_and_the_row_by_row_read(products):
     q, table, q_pos = (np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)]) for x in (q, table, q_pos))
     plan = plan_segments(tables, [int(p) for p in q_pos[: len(tables), 0]], slots, 1, table.shape[1], PAGE, KV_BLOCK)
     assert sorted(plan["len_s"][: len(tables)].tolist()) == [0, 0] + [8] * 5 + [24] * 3
+    assert plan["table_nw"].shape[0] == 8
     args = (jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool))
     for layer in range(LAYERS):
         shared = blocked_paged_attention(*args, layer, jnp.asarray(table), jnp.asarray(q_pos), 0.3, KV_BLOCK,
-                                         products=products, prefix=as_prefix(plan))
+                                         platform="cpu", products=products, prefix=as_prefix(plan))
         own = blocked_paged_attention(*args, layer, jnp.asarray(table), jnp.asarray(q_pos), 0.3, KV_BLOCK,
-                                      products=products)
+                                      platform="cpu", products=products)
         for b in range(len(tables)):
             n = int(q_pos[b, 0]) + 1
             want = numpy_attention(q[b].astype(np.float64), unpaged(k_pool, layer, table[b], n),

@@ -320,9 +320,9 @@ def test_a_long_call_ends_when_half_the_slots_could_go(tiny_dirs):
     assert max(bound for _, bound in calls) > 4, calls  # the rest still ran in long calls
 
 
-def test_a_shrinking_batch_steps_down_through_three_quarter_slot_counts(tiny_dirs, monkeypatch):
-    """Above 32 rows the decode slot counts include three quarters of a power of two: 60 live rows run on 64
-    slots only until the 20 short rows are done, then the 40 left run on 48 slots, not on 64 to the end.
+def test_a_shrinking_batch_steps_down_through_eighths_slot_counts(tiny_dirs, monkeypatch):
+    """Above 32 rows the decode slot counts on CPU split each octave in eighths: 60 live rows run on 64 slots
+    only until the 20 short rows are done, then the 40 left run on 40 slots, not on 64 (or 48) to the end.
     Tokens are those of each request alone."""
     import tx.sampling.paged_calls as paged_calls
 
@@ -341,5 +341,5 @@ def test_a_shrinking_batch_steps_down_through_three_quarter_slot_counts(tiny_dir
     out = drive(b, [sample_batch(requests)])
     for request_id in want:
         same(want[request_id], out[request_id])
-    assert (60, 64) in seen and (40, 48) in seen, seen
-    assert all(slots < 64 for live, slots in seen if live <= 48), seen
+    assert (60, 64) in seen and (40, 40) in seen, seen
+    assert all(slots <= 40 for live, slots in seen if live <= 40), seen

@@ -500,3 +500,35 @@ def test_a_large_calls_token_choice_in_groups_of_slots_is_the_same_bits(tiny_dir
             assert x.tokens == y.tokens == z.tokens
             assert x.logprobs == y.logprobs
             assert x.topk_logprobs == y.topk_logprobs and len(y.topk_logprobs) == len(y.tokens)
+
+
+def test_decode_attention_in_row_groups_samples_the_oracles_tokens(tiny_dirs, engines, monkeypatch):
+    """On CPU a decode call of more than `DECODE_ROW_GROUP` slots attends over groups of rows in turn
+    (tx/kernels/paged_blocks.py; 2 here, where the tiny model's calls are of 1-16 slots): 8 seeded samples of
+    one prompt (their shared pages read per segment) beside greedy rows of other prompts give the oracle's
+    tokens and log-probs (1e-4) and the tokens of the `engines` backend, which attends at once."""
+    from tx.kernels import paged_attention, paged_blocks
+
+    _, at_once = engines  # base-model rows: an earlier test trains its adapter
+    groups = []
+
+    def recorded(rows, platform):
+        groups.append(row_groups(rows, platform))
+        return groups[-1]
+
+    row_groups = paged_attention.decode_row_groups
+    monkeypatch.setattr(paged_attention, "decode_row_groups", recorded)
+    monkeypatch.setattr(paged_blocks, "DECODE_ROW_GROUP", 2)
+    grouped = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **PAGED))
+    prompt = (list(PROMPTS[0]) * 8)[:25]
+    requests = [("g", "", [(prompt, SP(max_tokens=12, temperature=1.0, seed=4, stop=[]))] * 8, False, 0),
+                ("o", "", [(PROMPTS[1][::-1], SP(max_tokens=7, temperature=0.0, stop=[]))], False, 0),
+                ("p", "", [(PROMPTS[3], SP(max_tokens=10, temperature=0.0, stop=[]))], False, 0)]
+    batch = sample_batch(requests)
+    got, want, plain = grouped.sample(batch), oracle.sample(at_once, batch), at_once.sample(batch)
+    assert max(groups) >= 4, groups  # the 8-16 slot calls ran in groups of 2 rows
+    assert grouped.metrics.sampling["shared_prefix_rows"] > 0
+    for request_id, *_ in requests:
+        for x, y, z in zip(want[request_id].sequences, got[request_id].sequences, plain[request_id].sequences):
+            assert x.tokens == y.tokens == z.tokens, request_id
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from tx import types
 from tx.backends.batching import model_pass_shapes
 from tx.sampling.paged_calls import (block_bucket, kv_block_for, kv_blocks_bucketed, prefill_row_count, prefill_width,
-                                    slot_counts, slot_quarters, table_blocks, table_width)
+                                    slot_counts, slot_steps, table_blocks, table_width)
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def precompile(backend: Any, impl: Any, loss_fns: tuple[str, ...] = ("cross_entr
     cfg, fsdp = impl.config, impl.mesh.shape["fsdp"]
     vocab = impl.model.config.vocab_size
     shapes = model_pass_shapes(impl.max_seq_len, cfg.train_micro_batch_tokens, cfg.train_micro_batch_size, fsdp)
-    counts = slot_counts(cfg.max_num_seqs, fsdp, slot_quarters(cfg.decode_slot_counts, impl.model.platform))
+    counts = slot_counts(cfg.max_num_seqs, fsdp, slot_steps(cfg.decode_slot_counts, impl.model.platform))
     bucketed = cfg.paged_attention_impl == "blocked" and kv_blocks_bucketed(cfg.paged_kv_blocks, impl.model.platform)
     kv_block = kv_block_for(cfg.kv_block, cfg.kv_page_size, impl.model.platform)
     block_prompts = decode_block_prompts(impl.max_seq_len, cfg.kv_page_size, kv_block) if bucketed else []

@@ -17,7 +17,8 @@ K/V is written before it attends). Kernels (`PAGED_ATTENTION_IMPLS`):
   bit-identical (its probabilities are exactly 0 and the correction exactly 1). So a row's output is the
   same sequence of operations whatever the table width or the other rows' lengths: a sequence samples the
   same tokens alone or in any batch. (Decode forms its products one way at one row and another at more on
-  CPU, `decode_products`: there a row alone and in a batch agree to float32 rounding, ~1e-7.)
+  CPU, `decode_products`, and there runs more than 64 rows in groups, `decode_row_groups`: a row alone and
+  in a batch agree to float32 rounding, ~1e-7.)
 - "pallas": the same online softmax as a Pallas ragged paged attention kernel (tx/kernels/paged_pallas.py):
   grid (row, kv head group, KV block) over scalar-prefetched page tables, so each step copies one block of
   one row's pages, and a row stops at its own last block. For TPU: compiled when the program is built for
@@ -35,8 +36,9 @@ import jax
 import jax.numpy as jnp
 
 from tx.kernels.attention import attention
-from tx.kernels.paged_blocks import (DECODE_PRODUCTS, attend_block, block_products, decode_products, gather_pages,
-                                     initial_state)
+from tx.kernels.paged_blocks import (DECODE_PRODUCTS, attend_block, block_products, decode_products,
+                                     decode_row_groups, gather_pages, initial_state)
+from tx.kernels.row_groups import map_row_groups
 from tx.kernels.paged_pallas import pallas_paged_attention
 from tx.kernels.shared_prefix import SharedPrefix, prefix_state
 
@@ -81,7 +83,8 @@ def blocked_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, s
     least that many: a loop of known count, which a GPU runs without asking the host). Decode forms its
     products as `products` names ("dot" or "reduce"; None: as `decode_products(b, platform)` says).
     `prefix` (decode only): each row's first `prefix.len_s` keys are read through its segment's shared pages
-    (tx/kernels/shared_prefix.py), and its own loop starts at the block after them."""
+    (tx/kernels/shared_prefix.py), and its own loop starts at the block after them. Decode on CPU runs its rows
+    in groups (`decode_row_groups`), each group's loop as far as its own furthest row."""
     b, t, h, d = q_bthd.shape
     page = k_pool.shape[2]
     kv = k_pool.shape[3]
@@ -92,37 +95,43 @@ def blocked_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, s
     padded_w = max(-(-w // pages_per_block), kv_blocks or 0) * pages_per_block
     table_bw = jnp.pad(table_bw, ((0, 0), (0, padded_w - w)), constant_values=TRASH_PAGE)
     q_btkgd = q_bthd.reshape(b, t, kv, h // kv, d)
-    n_blocks = jnp.max(q_pos_bt) // kv_block + 1  # the blocks the furthest query needs
-
     products_fns = block_products(t, products or decode_products(b, platform))
     init = initial_state(b, kv, h // kv, t, v_pool.shape[-1])
+    groups = decode_row_groups(b, platform) if t == 1 else 1
     first_b = None  # each row's first block of its own (with a prefix)
     if prefix is not None:
         if t != 1:
             raise ValueError(f"a shared prefix is read by decode (one query per row), not by {t} queries a row")
-        init = prefix_state(q_btkgd, k_pool, v_pool, layer, prefix, scale, kv_block, products_fns)
+        init = prefix_state(q_btkgd, k_pool, v_pool, layer, prefix, scale, kv_block, products_fns, groups)
         first_b = prefix.len_s // kv_block
-        n_blocks = jnp.max(q_pos_bt[:, -1] // kv_block + 1 - first_b)
 
-    def body(j, state):
-        if first_b is None:
-            pages_bm = jax.lax.dynamic_slice_in_dim(table_bw, j * pages_per_block, pages_per_block, axis=1)
-            key_pos_bs = (j * kv_block + jnp.arange(kv_block))[None]
-        else:  # block j of each row's own: past the table's end (a row with fewer blocks) fully masked
-            block_b = first_b + j
-            at_bm = block_b[:, None] * pages_per_block + jnp.arange(pages_per_block)
-            pages_bm = jnp.take_along_axis(table_bw, jnp.minimum(at_bm, padded_w - 1), axis=1)
-            key_pos_bs = block_b[:, None] * kv_block + jnp.arange(kv_block)
-        k_bskd, v_bskd = gather_pages(k_pool, layer, pages_bm), gather_pages(v_pool, layer, pages_bm)
-        mask_bts = key_pos_bs[:, None, :] <= q_pos_bt[:, :, None]
-        return attend_block(state, q_btkgd, k_bskd, v_bskd, mask_bts, scale, products_fns)
+    def rows_out(q_btkgd, table_bw, q_pos_bt, m_bkgt, l_bkgt, acc_btkgd, first_b):  # own blocks, after shared
+        n_blocks = jnp.max(q_pos_bt) // kv_block + 1  # the blocks the furthest query needs
+        if first_b is not None:
+            n_blocks = jnp.max(q_pos_bt[:, -1] // kv_block + 1 - first_b)
 
-    if kv_blocks is None:
-        _, (_, l_bkgt, acc_btkgd) = jax.lax.while_loop(lambda c: c[0] < n_blocks,
-                                                       lambda c: (c[0] + 1, body(c[0], c[1])), (jnp.int32(0), init))
-    else:  # the extra blocks are fully masked: exact no-ops
-        _, l_bkgt, acc_btkgd = jax.lax.fori_loop(0, kv_blocks, body, init)
-    out_btkgd = acc_btkgd / jnp.moveaxis(l_bkgt, -1, 1)[..., None]
+        def body(j, state):
+            if first_b is None:
+                pages_bm = jax.lax.dynamic_slice_in_dim(table_bw, j * pages_per_block, pages_per_block, axis=1)
+                key_pos_bs = (j * kv_block + jnp.arange(kv_block))[None]
+            else:  # block j of each row's own: past the table's end (a row with fewer blocks) fully masked
+                block_b = first_b + j
+                at_bm = block_b[:, None] * pages_per_block + jnp.arange(pages_per_block)
+                pages_bm = jnp.take_along_axis(table_bw, jnp.minimum(at_bm, padded_w - 1), axis=1)
+                key_pos_bs = block_b[:, None] * kv_block + jnp.arange(kv_block)
+            k_bskd, v_bskd = gather_pages(k_pool, layer, pages_bm), gather_pages(v_pool, layer, pages_bm)
+            mask_bts = key_pos_bs[:, None, :] <= q_pos_bt[:, :, None]
+            return attend_block(state, q_btkgd, k_bskd, v_bskd, mask_bts, scale, products_fns)
+
+        if kv_blocks is None:
+            _, (_, l_bkgt, acc_btkgd) = jax.lax.while_loop(lambda c: c[0] < n_blocks,
+                                                           lambda c: (c[0] + 1, body(c[0], c[1])),
+                                                           (jnp.int32(0), (m_bkgt, l_bkgt, acc_btkgd)))
+        else:  # the extra blocks are fully masked: exact no-ops
+            _, l_bkgt, acc_btkgd = jax.lax.fori_loop(0, kv_blocks, body, (m_bkgt, l_bkgt, acc_btkgd))
+        return acc_btkgd / jnp.moveaxis(l_bkgt, -1, 1)[..., None]
+
+    out_btkgd = map_row_groups(rows_out, (q_btkgd, table_bw, q_pos_bt, *init, first_b), groups)
     return out_btkgd.reshape(b, t, h, d).astype(q_bthd.dtype)
 
 

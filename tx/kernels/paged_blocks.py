@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from tx.kernels.attention import _MASKED
 from tx.kernels.platform import resolve
+from tx.kernels.row_groups import group_count
 
 BlockState = tuple[jax.Array, jax.Array, jax.Array]  # (m_bkgt, l_bkgt, acc_btkgd)
 Products = tuple[Callable[[jax.Array, jax.Array], jax.Array], Callable[[jax.Array, jax.Array], jax.Array]]
@@ -87,6 +88,20 @@ def decode_products(rows: int, platform: str | None) -> str:
     """How decode forms a block's products for `rows` rows in a program for `platform`: "reduce" on CPU at
     two rows or more, "dot" otherwise (one row: level on CPU; GPUs: measured with "dot" only)."""
     return "reduce" if rows > 1 and resolve(platform) == "cpu" else "dot"
+
+
+# On CPU, decode attention over more rows than this runs them in groups of at most this many rows in turn
+# (`decode_row_groups`): a group's gathered block (64 rows x 32 tokens x 4 kv heads x 64 = 2 MB of keys at
+# bench_peer's shape) is still in cache when its products read it, where 512 rows' (17 MB) come back from
+# memory (docs/performance.md); None: all rows at once
+DECODE_ROW_GROUP: int | None = 64
+
+
+def decode_row_groups(rows: int, platform: str | None) -> int:
+    """Into how many groups of consecutive rows decode attention over `rows` rows goes in a program for
+    `platform` (`row_groups.group_count` of at most `DECODE_ROW_GROUP` rows): 1 (at once) off CPU, where it is
+    not measured and the loops are the kernels'."""
+    return group_count(rows, 1, DECODE_ROW_GROUP) if resolve(platform) == "cpu" else 1
 
 
 def block_products(t: int, products: str) -> Products:

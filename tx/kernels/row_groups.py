@@ -3,7 +3,7 @@
 A row's results are the same bits either way (each group is a smaller batch of the same rows); what changes is
 the working set: a group's intermediates are a fraction of the batch's, so they can stay in a CPU's cache and
 the program's temporary buffer shrinks with them (sampling prefill's MLP, `tx.models.decoder`; a large decode
-call's token choice over the vocabulary, `tx.sampling.paged_step`).
+call's token choice over the vocabulary, `tx.sampling.paged_step`; its attention on CPU, `tx.kernels.paged_blocks`).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ inputs of `prefill_chunk` and `decode_steps` (tx/sampling/paged_step.py), then t
 `tx/sampling/continuous.py` decides which prompts and rows run (pages, slots, preemption); this module
 only turns its `Group`s (prompts being prefilled) and `Live` rows (decode slots) into arrays. Few shapes,
 so few programs: prefill rows go in powers of 2 up to `prefill_rows`, decode slots in powers of 2 (on CPU, above
-32, also three quarters of one) up to `max_num_seqs` (both rounded up to the fsdp size: rows are split over
-its devices), stop lists in powers of 2 >= 8, and top-k has one width.
+32, also eighths of an octave: 40, 48, 56, 80, ...) up to `max_num_seqs` (both rounded up to the fsdp size:
+rows are split over its devices), stop lists in powers of 2 >= 8, and top-k has one width.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tx.kernels.shared_prefix import SharedPrefix
-from tx.runtime import bucket_length, pow2
+from tx.runtime import pow2
 from tx.sampling.kv_cache import table_width  # noqa: F401  (also read from here by tx/backends/precompile.py)
 from tx.sampling.kv_pools import make_pools
 from tx.sampling.layer_copies import LayerCopies
@@ -34,34 +34,44 @@ if TYPE_CHECKING:
     from tx.sampling.text import TextCodec
 
 
-SLOT_QUARTERS_FROM = 32  # slot counts above this also come in 3/4 of a power of two
+SLOT_STEPS_FROM = 32  # slot counts above this also come in steps of an octave (`slot_count`)
 # prefill calls of at most this many tokens (rows x chunk) run unrolled on the decode layer copies, where kept: a
 # scan slices every layer's weights out of the stacks per call (~20 ms at a 100M shape on a 2-core CPU, a third
 # of a 64-token call), and a small call's activations are small
 PREFILL_UNROLLED_TOKENS = 256
 
 
-def slot_count(live: int, max_num_seqs: int, fsdp: int, quarters: bool = False) -> int:
-    """Decode slots of a call with `live` rows: a power of two, with `quarters` above `SLOT_QUARTERS_FROM` also
-    three quarters of one (48, 96, 192, 384, ...), at most `max_num_seqs`, rounded up to the fsdp size. Every
-    slot costs its compute until the call returns: where decode is compute-bound (`slot_quarters`) the 3/4
-    steps cut the padded slots of a shrinking batch (an RL rollout's rows ending at different max_tokens) from
-    up to half to up to a third, for one more program per octave where batches are that large."""
-    s = bucket_length(live, SLOT_QUARTERS_FROM) if quarters and live > SLOT_QUARTERS_FROM else pow2(live)
+def slot_count(live: int, max_num_seqs: int, fsdp: int, steps: int = 1) -> int:
+    """Decode slots of a call with `live` rows: a power of two, with `steps` > 1 above `SLOT_STEPS_FROM` also
+    the counts that split each octave into `steps` even steps (2: 48, 96, 192, 384, ...; 4: also 40, 56, 80,
+    112, 160, 224, 320, 448, ...), at most `max_num_seqs`, rounded up to the fsdp size. Every slot costs its
+    compute until the call returns: where decode is compute-bound (`slot_steps`) the finer steps cut the padded
+    slots of a shrinking batch (an RL rollout's rows ending at different max_tokens) from up to half to up to
+    a third (2) or a fifth (4), for `steps - 1` more programs per octave where batches are that large."""
+    s = pow2(live)
+    if steps > 1 and live > SLOT_STEPS_FROM:
+        half = s // 2
+        s = half + -(-(live - half) * steps // half) * (half // steps)
     s = min(s, max_num_seqs)
     return -(-s // fsdp) * fsdp
 
 
-def slot_counts(max_num_seqs: int, fsdp: int, quarters: bool = False) -> list[int]:
+def slot_counts(max_num_seqs: int, fsdp: int, steps: int = 1) -> list[int]:
     """Every decode slot count `slot_count` gives for 1 .. max_num_seqs live rows, ascending."""
-    return sorted({slot_count(n, max_num_seqs, fsdp, quarters) for n in range(1, max_num_seqs + 1)})
+    return sorted({slot_count(n, max_num_seqs, fsdp, steps) for n in range(1, max_num_seqs + 1)})
 
 
-def slot_quarters(setting: str, platform: str) -> bool:
-    """Whether decode slot counts include three quarters of a power of two (`decode_slot_counts`; "auto": on
-    CPU, where a decode step's matmuls are compute-bound from a few dozen rows, so a padded slot costs its
-    FLOPs; an accelerator's decode step at these batches mostly reads weights, and each count is a compile)."""
-    return setting == "three_quarters" or (setting == "auto" and platform == "cpu")
+SLOT_STEPS = {"pow2": 1, "three_quarters": 2, "eighths": 4}
+
+
+def slot_steps(setting: str, platform: str) -> int:
+    """Into how many steps slot counts split each octave above `SLOT_STEPS_FROM` (`decode_slot_counts`; "auto":
+    eighths on CPU, where a decode step's matmuls are compute-bound from a few dozen rows, so a padded slot costs
+    its FLOPs; powers of 2 on accelerators, whose decode step at these batches mostly reads weights, and each
+    count is a compile)."""
+    if setting == "auto":
+        setting = "eighths" if platform == "cpu" else "pow2"
+    return SLOT_STEPS[setting]
 
 
 def prefill_row_count(wanted: int, prefill_rows: int, fsdp: int) -> int:
@@ -180,8 +190,8 @@ class PagedDevice:
         self.bucketed = self.impl == "blocked" and kv_blocks_bucketed(cfg.paged_kv_blocks, platform)
         # the shared-prefix read's block loop is found on the device (no static count to bucket)
         self.shared_prefix = cfg.paged_shared_prefix and self.impl == "blocked" and not self.bucketed
-        self.quarters = slot_quarters(cfg.decode_slot_counts, platform)
-        self.slot_counts = slot_counts(self.slots, self.fsdp, self.quarters)  # a decode call's, ascending
+        self.slot_steps = slot_steps(cfg.decode_slot_counts, platform)
+        self.slot_counts = slot_counts(self.slots, self.fsdp, self.slot_steps)  # a decode call's, ascending
         self.topk_width = pow2(cfg.max_topk_prompt_logprobs)  # topk_sample_logprobs are bounded by it
         self.stats = stats
         out_in = platform == "cpu"  # the copies in the layout CPU matmuls read fastest (tx/sampling/layer_copies.py)
@@ -207,7 +217,7 @@ class PagedDevice:
 
     def slot_count(self, live: int) -> int:
         """The decode slots of a call with `live` rows (`slot_count`)."""
-        return slot_count(live, self.slots, self.fsdp, self.quarters)
+        return slot_count(live, self.slots, self.fsdp, self.slot_steps)
 
     def _pools(self) -> list:
         if self.pools is None:
