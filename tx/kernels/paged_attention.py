@@ -38,8 +38,8 @@ import jax.numpy as jnp
 from tx.kernels.attention import attention
 from tx.kernels.paged_blocks import (DECODE_PRODUCTS, attend_block, block_products, decode_products,
                                      decode_row_groups, gather_pages, initial_state)
-from tx.kernels.row_groups import map_row_groups
 from tx.kernels.paged_pallas import pallas_paged_attention
+from tx.kernels.row_groups import map_row_groups
 from tx.kernels.shared_prefix import SharedPrefix, prefix_state
 
 __all__ = ["DECODE_PRODUCTS", "PAGED_ATTENTION_IMPLS", "TRASH_PAGE", "PagedKV", "blocked_paged_attention",
@@ -106,8 +106,9 @@ def blocked_paged_attention(q_bthd, k_pool, v_pool, layer, table_bw, q_pos_bt, s
         first_b = prefix.len_s // kv_block
 
     def rows_out(q_btkgd, table_bw, q_pos_bt, m_bkgt, l_bkgt, acc_btkgd, first_b):  # own blocks, after shared
-        n_blocks = jnp.max(q_pos_bt) // kv_block + 1  # the blocks the furthest query needs
-        if first_b is not None:
+        if first_b is None:  # the blocks the furthest query needs
+            n_blocks = jnp.max(q_pos_bt) // kv_block + 1
+        else:
             n_blocks = jnp.max(q_pos_bt[:, -1] // kv_block + 1 - first_b)
 
         def body(j, state):
