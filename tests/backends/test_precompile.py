@@ -47,15 +47,15 @@ def test_slot_counts():
     assert slot_counts(64, 1) == [1, 2, 4, 8, 16, 32, 64]
     assert slot_counts(48, 1) == [1, 2, 4, 8, 16, 32, 48]
     assert slot_counts(8, 4) == [4, 8]
-    # with three quarters of a power of 2 above 32 rows
-    assert slot_counts(64, 1, steps=2) == [1, 2, 4, 8, 16, 32, 48, 64]
-    assert slot_counts(40, 1, steps=2) == [1, 2, 4, 8, 16, 32, 40]
-    assert slot_counts(512, 1, steps=2) == [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512]
-    assert slot_counts(100, 8, steps=2) == [8, 16, 32, 48, 64, 96, 104]  # 100 rounded up to the fsdp size
-    # eighths of an octave above 32 rows (the CPU's default)
-    assert slot_counts(512, 1, steps=4) == [1, 2, 4, 8, 16, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224,
-                                            256, 320, 384, 448, 512]
-    assert slot_counts(100, 8, steps=4) == [8, 16, 32, 40, 48, 56, 64, 80, 96, 104]
+    # with three quarters of a power of 2 above 64 rows; up to 64 (the default max_num_seqs) powers of 2 only
+    assert slot_counts(64, 1, steps=2) == slot_counts(64, 1, steps=4) == [1, 2, 4, 8, 16, 32, 64]
+    assert slot_counts(72, 1, steps=2) == [1, 2, 4, 8, 16, 32, 64, 72]
+    assert slot_counts(512, 1, steps=2) == [1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512]
+    assert slot_counts(100, 8, steps=2) == [8, 16, 32, 64, 96, 104]  # 100 rounded up to the fsdp size
+    # eighths of an octave above 64 rows (the CPU's default)
+    assert slot_counts(512, 1, steps=4) == [1, 2, 4, 8, 16, 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320,
+                                            384, 448, 512]
+    assert slot_counts(100, 8, steps=4) == [8, 16, 32, 64, 80, 96, 104]
     assert [slot_steps(s, p) for s, p in [("auto", "cpu"), ("auto", "cuda"), ("auto", "tpu"), ("pow2", "cpu"),
                                            ("three_quarters", "cuda"), ("eighths", "tpu")]] == [4, 1, 1, 1, 2, 4]
 
@@ -134,17 +134,17 @@ def test_precompile_covers_the_decode_block_buckets(tiny_dirs):
 
 @pytest.mark.parametrize("prefill_rows", [64, 4])
 def test_precompile_covers_the_eighths_slot_counts(tiny_dirs, prefill_rows):
-    """On CPU (`decode_slot_counts` "auto") 41-48 live rows decode on 48 slots: --precompile compiles that count
-    too (and 40, 56), so a 44-row call after it compiles nothing. Also where one prefill call takes fewer
+    """On CPU (`decode_slot_counts` "auto") 81-96 live rows decode on 96 slots: --precompile compiles that count
+    too (and 80, 112), so an 88-row call after it compiles nothing. Also where one prefill call takes fewer
     prompts than there are slots (prefill_rows 4): precompile's n rows still all decode together."""
     backend = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(
-        max_lora_adapters=3, max_lora_rank=4, max_seq_len=MAX_SEQ, max_num_seqs=64, prefill_rows=prefill_rows,
+        max_lora_adapters=3, max_lora_rank=4, max_seq_len=MAX_SEQ, max_num_seqs=128, prefill_rows=prefill_rows,
         prefill_chunk=8, kv_page_size=4, kv_block=8, max_num_samples=1))
     backend.create_model("tenant", types.LoraConfig(rank=4, seed=1))
     summary = precompile(backend, backend, loss_fns=())
-    assert summary["sample_slot_counts"] == [1, 2, 4, 8, 16, 32, 40, 48, 56, 64]
+    assert summary["sample_slot_counts"] == [1, 2, 4, 8, 16, 32, 64, 80, 96, 112, 128]
     compiled = dict(backend.metrics.compiles)
-    res = backend.sample(_sample(44, "tenant", np.random.default_rng(3)))
+    res = backend.sample(_sample(88, "tenant", np.random.default_rng(3)))
     assert all(isinstance(r, types.SampleOutput) for r in res.values()), res
     assert backend.metrics.compiles == compiled, "a program compiled after --precompile"
 

@@ -271,10 +271,12 @@ def test_a_tenant_with_many_queued_requests_shares_the_slots(backend):
     assert step_of["b"] <= min(step_of[f"a{i}"] for i in range(3)) + 1, step_of
 
 
-def test_programs_stay_bounded_over_200_random_requests(tiny_dirs):
+@pytest.mark.parametrize("paged", [PAGED, {}], ids=["small_pages", "defaults"])
+def test_programs_stay_bounded_over_200_random_requests(tiny_dirs, paged):
     """200 requests with random prompt lengths, max_tokens, num_samples, stop lists and sampling parameters,
-    submitted in random groups between steps (the service's way): at most 12 compiled programs."""
-    b = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **PAGED))
+    submitted in random groups between steps (the service's way): at most 12 compiled programs, with this
+    file's small pages and 16 slots, and with the engine's defaults (64 slots, every count a power of 2)."""
+    b = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **paged))
     b.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
     rng = np.random.default_rng(0)
     requests = []
@@ -321,16 +323,16 @@ def test_a_long_call_ends_when_half_the_slots_could_go(tiny_dirs):
 
 
 def test_a_shrinking_batch_steps_down_through_eighths_slot_counts(tiny_dirs, monkeypatch):
-    """Above 32 rows the decode slot counts on CPU split each octave in eighths: 60 live rows run on 64 slots
-    only until the 20 short rows are done, then the 40 left run on 40 slots, not on 64 (or 48) to the end.
+    """Above 64 rows the decode slot counts on CPU split each octave in eighths: 120 live rows run on 128 slots
+    only until the 40 short rows are done, then the 80 left run on 80 slots, not on 128 (or 96) to the end.
     Tokens are those of each request alone."""
     import tx.sampling.paged_calls as paged_calls
 
-    cfg = BASE | PAGED | {"max_num_seqs": 64, "prefill_rows": 16, "max_decode_steps_per_call": 64}
+    cfg = BASE | PAGED | {"max_num_seqs": 128, "prefill_rows": 16, "max_decode_steps_per_call": 64}
     b = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**cfg))
-    requests = [(f"r{i}", "", [(PROMPTS[i % 4], SP(max_tokens=6 if i < 5 else 20, temperature=1.0, seed=i,
-                                                   stop=[]))] * 4, False, 0) for i in range(15)]
-    want = alone(b, [requests[0], requests[14]])
+    requests = [(f"r{i}", "", [(PROMPTS[i % 4], SP(max_tokens=6 if i < 10 else 20, temperature=1.0, seed=i,
+                                                   stop=[]))] * 4, False, 0) for i in range(30)]
+    want = alone(b, [requests[0], requests[29]])
     seen, count = [], paged_calls.slot_count
 
     def spy(live, *args):
@@ -341,5 +343,5 @@ def test_a_shrinking_batch_steps_down_through_eighths_slot_counts(tiny_dirs, mon
     out = drive(b, [sample_batch(requests)])
     for request_id in want:
         same(want[request_id], out[request_id])
-    assert (60, 64) in seen and (40, 40) in seen, seen
-    assert all(slots <= 40 for live, slots in seen if live <= 40), seen
+    assert (120, 128) in seen and (80, 80) in seen, seen
+    assert all(slots <= 80 for live, slots in seen if live <= 80), seen
