@@ -4,6 +4,7 @@ samples, log-probs, stops, top-k log-probs; prompt sharing (one prefill per requ
 through a small pool and few slots, bounded programs."""
 
 import logging
+import re
 
 import jax
 import numpy as np
@@ -289,30 +290,40 @@ def test_the_head_copy_is_made_at_the_first_decode_of_two_rows(tiny_dirs):
     assert head is not None and copies.head_bytes == head.nbytes
 
 
-def test_small_prefill_calls_run_on_the_layer_copies(tiny_dirs, engines, monkeypatch):
-    """Prefill calls of at most `PREFILL_UNROLLED_TOKENS` tokens run unrolled on the copies decode keeps (a scan
-    would slice every layer's weights per call); larger ones scan. The tokens are the scanning engine's, and
-    those of the model's plain forward (the oracle)."""
-    from tx.sampling import paged_calls
+def layer_barriers(program_text: str) -> int:
+    """Optimization barriers over more than two values in a lowered program: the unrolled layers' order (the
+    out-in products' barriers hold two, an input and a weight)."""
+    return sum(int(n) > 2 for n in re.findall(r"%\w+:(\d+) = stablehlo.optimization_barrier", program_text))
 
+
+def test_prefill_calls_run_on_the_layer_copies_in_turn(tiny_dirs, engines, monkeypatch):
+    """Prefill calls run unrolled on the copies decode keeps (a scan would slice every layer's weights per
+    call), each layer's weights behind a barrier with the previous layer's output (one layer's activations
+    live at a time). The tokens are those of an engine that scans the stacks, and of the model's plain forward
+    (the oracle)."""
     _, engine = engines
     slot = engine.models["a"].adapter_index
     requests = requests_mixed()
-    runs, default = {}, paged_calls.PREFILL_UNROLLED_TOKENS
-    for limit in (default, 0):  # this file's prefill calls: at most 2 x 8 tokens
-        monkeypatch.setattr(paged_calls, "PREFILL_UNROLLED_TOKENS", limit)
-        b = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **PAGED, paged_decode_layers="unrolled"))
+    runs = {}
+    for layers in ("unrolled", "scan"):
+        b = tx.JaxBackend(tiny_dirs["dense"], tx.JaxBackendConfig(**BASE, **PAGED, paged_decode_layers=layers))
         b.create_model("a", types.LoraConfig(rank=4, alpha=8, seed=0))
         set_adapter_weights(b.model, slot, get_adapter_weights(engine.model, slot, 4), alpha=8, rank=4)
         device = b.sampler.paged.device
-        gets, get = [], device.layer_copies.get
-        monkeypatch.setattr(device.layer_copies, "get",
-                            lambda model, head=True, get=get, gets=gets: gets.append(1) or get(model, head))
-        runs[limit] = (b.sample(sample_batch(requests)), len(gets), dict(b.metrics.calls))
-    (unrolled, gets, calls), (scanned, scan_gets, scan_calls) = runs[default], runs[0]
+        device.runtime.programs.enabled = True
+        gets = []
+        if device.layer_copies is not None:
+            get = device.layer_copies.get
+            monkeypatch.setattr(device.layer_copies, "get",
+                                lambda model, head=True, get=get: gets.append(1) or get(model, head))
+        out = b.sample(sample_batch(requests))
+        barriers = layer_barriers(device.runtime.programs.lowered("sample_prefill").as_text())
+        runs[layers] = (out, len(gets), dict(b.metrics.calls), barriers)
+    (unrolled, gets, calls, barriers), (scanned, scan_gets, _, scan_barriers) = runs["unrolled"], runs["scan"]
     assert calls["sample_prefill"] > 0
     assert gets == calls["sample_decode"] + calls["sample_prefill"], (gets, calls)
-    assert scan_gets == scan_calls["sample_decode"], (scan_gets, scan_calls)
+    assert scan_gets == 0
+    assert barriers == engine.model.config.num_hidden_layers and scan_barriers == 0, (barriers, scan_barriers)
     want = oracle.sample(engine, sample_batch(requests))
     for request_id, *_ in requests:
         assert [s.tokens for s in unrolled[request_id].sequences] == [s.tokens for s in scanned[request_id].sequences]

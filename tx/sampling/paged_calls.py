@@ -38,10 +38,6 @@ if TYPE_CHECKING:
 # max_num_seqs) every count is a power of 2, so a service at the defaults keeps its few programs (200 random
 # requests: 12), and an RL rollout's 512 rows shrinking to 0 run 0.3% more slot-steps than from 32 rows
 SLOT_STEPS_FROM = 64
-# prefill calls of at most this many tokens (rows x chunk) run unrolled on the decode layer copies, where kept: a
-# scan slices every layer's weights out of the stacks per call (~20 ms at a 100M shape on a 2-core CPU, a third
-# of a 64-token call), and a small call's activations are small
-PREFILL_UNROLLED_TOKENS = 256
 
 
 def slot_count(live: int, max_num_seqs: int, fsdp: int, steps: int = 1) -> int:
@@ -269,7 +265,7 @@ class PagedDevice:
         inp = PrefillInputs(**self.runtime.put_batch(arrays))
         model = self.source.model
         # (r, c) decides: one program each
-        unrolled = self.layer_copies is not None and r * c <= PREFILL_UNROLLED_TOKENS
+        unrolled = self.layer_copies is not None
         layer_defs, copies = self.layer_copies.get(model, head=False) if unrolled else (None, None)
         self.pools = self._call(("sample_prefill", r, c), prefill_chunk, model, self._pools(), inp,
                                 copies and copies.stacks,

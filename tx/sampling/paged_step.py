@@ -2,11 +2,9 @@
 
 - `prefill_chunk`: `[R, C]` prompt tokens (each row a chunk of one prompt, at absolute positions) write
   their keys/values into the page pools. Nothing is returned but the pools: a prompt is prefilled up to,
-  not including, its last token, which each sampled row feeds itself as its first decode input. A large
-  call scans the stacks: its per-layer weight slices are amortised over its tokens, and unrolled, its
-  large activations stayed live across layers (+0.5 GB peak in bench_peer's RL sampling workload, for ~5%
-  of a prefill call). A small one (`paged_calls.PREFILL_UNROLLED_TOKENS`) runs on decode's kept per-layer
-  copies where they exist: there the slices cost as much as the chunk's matmuls.
+  not including, its last token, which each sampled row feeds itself as its first decode input. It runs
+  on decode's kept per-layer copies where they exist, its layers in turn (`DecoderStack._paged`); a scan
+  would slice every layer's weights out of the stacks per call (as much as a small chunk's matmuls).
 - `copy_pages`: page `src[m]` -> page `dst[m]` in every layer (copy-on-write of a shared partial page).
 - `decode_steps`: first the copies newly admitted slots need (one pair per slot, no program of its own),
   then up to `bound` tokens for every active slot, in one `lax.while_loop` that also ends once every slot
