@@ -136,9 +136,10 @@ class JaxBackendConfig(BaseModel):
         "slot costs its compute until the call returns). 'pow2': powers of 2; 'three_quarters': also 3/4 of a "
         "power of 2 above 64 (96, 192, 384: less padding as a batch shrinks, one more decode program per "
         "octave); 'eighths': also 5/8, 6/8 and 7/8 of one above 64 (80, 96, 112, 160, ..., 448: three more "
-        "programs per octave; at the default max_num_seqs of 64 all three give powers of 2); 'auto': eighths on CPU, where decode is compute-bound (RL sampling, 512 rows: three_quarters "
-        "1.2x pow2's tokens/s, eighths with CPU's attention row groups 1.12x three_quarters'), pow2 on "
-        "accelerators, where a decode step at these batches mostly reads weights")
+        "programs per octave; at the default max_num_seqs of 64 all three give powers of 2); 'auto': eighths on "
+        "CPU, where decode is compute-bound (RL sampling, 512 rows: three_quarters 1.2x pow2's tokens/s, eighths "
+        "with CPU's attention row groups 1.12x three_quarters'), pow2 on accelerators, where a decode step at "
+        "these batches mostly reads weights")
     paged_decode_layers: Literal["auto", "scan", "unrolled"] = Field(
         "auto", description="paged engine: how a decode call runs the layers. 'scan': `lax.scan` over the "
         "stacked weights, which slices every layer's weights out of the stack at every step (a copy per weight "

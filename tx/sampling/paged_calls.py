@@ -265,8 +265,7 @@ class PagedDevice:
         inp = PrefillInputs(**self.runtime.put_batch(arrays))
         model = self.source.model
         # (r, c) decides: one program each
-        unrolled = self.layer_copies is not None
-        layer_defs, copies = self.layer_copies.get(model, head=False) if unrolled else (None, None)
+        layer_defs, copies = (None, None) if self.layer_copies is None else self.layer_copies.get(model, head=False)
         self.pools = self._call(("sample_prefill", r, c), prefill_chunk, model, self._pools(), inp,
                                 copies and copies.stacks,
                                 impl=self.impl, kv_block=self.prefill_block, layer_defs=layer_defs)
