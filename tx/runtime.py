@@ -140,7 +140,7 @@ def release_zero_pages(array: Any) -> int:
     madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     page, released = os.sysconf("SC_PAGE_SIZE"), 0
     for shard in array.addressable_shards:
-        if shard.data.devices().pop().platform != "cpu":
+        if shard.device.platform != "cpu":
             continue
         shard.data.block_until_ready()  # nothing may still be writing it
         start = shard.data.unsafe_buffer_pointer()

@@ -92,11 +92,25 @@ def test_small_pool_and_few_slots_wait_and_give_the_same_tokens(tiny_dirs, engin
     assert tight.sampler.paged.stats["peak_pages"] <= 50
 
 
-def test_the_kv_pools_pages_are_resident_only_where_rows_wrote(tiny_dirs, engines, caplog):
+def aligned_zeros(shape, dtype=float, order="C", **kwargs):
+    """`np.zeros` whose data starts 64-byte aligned, as glibc's heap hands out by chance: jax on CPU wraps such
+    a host array without copying, and a wrapped buffer cannot be donated."""
+    dtype, size = np.dtype(dtype), int(np.prod(shape))
+    raw = ZEROS(size * dtype.itemsize + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + size * dtype.itemsize].view(dtype).reshape(shape, order=order)
+
+
+ZEROS = np.zeros
+
+
+def test_the_kv_pools_pages_are_resident_only_where_rows_wrote(tiny_dirs, engines, caplog, monkeypatch):
     """On CPU the engine hands its zero-filled KV pools' pages back to the system as it makes them (a pool is
     sized for every slot at full length): a pool of 20,000 pages that served the mixed requests holds a few
-    percent of its bytes resident, and samples the oracle's tokens. After an optim_step the pages cached with
-    the old weights are reused first: the same requests again (no cache hits now) write no new pages."""
+    percent of its bytes resident, and samples the oracle's tokens, even where numpy's zeros come 64-byte
+    aligned (a pool wrapped from them could not be donated: the first call would copy it whole). After an
+    optim_step the pages cached with the old weights are reused first: the same requests again (no cache hits
+    now) write no new pages."""
     from tests.helpers import resident_bytes
 
     _, ample = engines
@@ -115,7 +129,8 @@ def test_the_kv_pools_pages_are_resident_only_where_rows_wrote(tiny_dirs, engine
     def pools() -> list:
         return [pool for stack in big.sampler.paged.device.pools for pool in stack]
 
-    with caplog.at_level(logging.INFO, logger="tx.sampling.paged_calls"):
+    with caplog.at_level(logging.INFO, logger="tx.sampling.paged_calls"), monkeypatch.context() as patch:
+        patch.setattr(np, "zeros", aligned_zeros)
         resident = sample_and_check()
     made = sum(pool.nbytes for pool in pools())
     assert made == 2 * 20_000 * 2 * 4 * 2 * 16 * 4  # K and V: pages x 2 layers x 4 positions x 2 kv heads x 16
