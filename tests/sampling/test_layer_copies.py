@@ -62,7 +62,7 @@ def test_a_replaced_leaf_is_copied_again_and_its_stale_copies_are_freed_first(mo
 
     monkeypatch.setattr(layer_copies, "_unstack", watched)
     defs, (layers, _) = copies.get(model)
-    assert made == [6, 3], made  # a's 3 stale copies were freed before b's new ones were made
+    assert made == [3, 1], made  # each leaf's 3 stale copies were freed before its new ones were made (1: kept_b)
     assert copies.copied == 4 and layers[0][0][1] is not kept_b
     np.testing.assert_array_equal(np.asarray(layer_states(defs, layers)[0][2]["b"]), np.asarray(model.state["b"][2]))
     model.state = {"a": model.state["a"], "b": stacked(4)}  # one leaf new (a LoRA update): only it is copied
@@ -71,7 +71,8 @@ def test_a_replaced_leaf_is_copied_again_and_its_stale_copies_are_freed_first(mo
 
 
 class MlpModel:
-    """`scanned_states()` of one stack of 3 LoRA MLP layers plus an attention-like `q_proj`, and an LM head kernel."""
+    """`scanned_states()` of one stack of 3 LoRA MLP layers plus attention-like `q_proj` / `k_proj` / `v_proj`,
+    and an LM head kernel."""
 
     def __init__(self, head_dv):
         from flax import nnx
@@ -83,6 +84,8 @@ class MlpModel:
             def __init__(self, stack, rngs):
                 self.mlp = MLP(8, 24, num_adapters=2, rank=2, stack=stack, dtype=jnp.float32, rngs=rngs)
                 self.q_proj = LoRALinear(8, 8, num_adapters=2, rank=2, stack=stack, rngs=rngs)
+                self.k_proj = LoRALinear(8, 4, num_adapters=2, rank=2, stack=stack, rngs=rngs)
+                self.v_proj = LoRALinear(8, 4, num_adapters=2, rank=2, stack=stack, rngs=rngs)
 
         self.graphdef = nnx.split(Layer((), nnx.Rngs(0)))[0]  # one layer's module, for `nnx.merge`
         rng = np.random.default_rng(1)  # every leaf random, LoRA factors and scales too: all of it computes
@@ -97,14 +100,20 @@ class MlpModel:
         return self.head_dv
 
 
-def test_out_in_copies_store_mlp_kernels_and_the_head_transposed_and_compute_the_same():
+def kernel_of(tree, *path):
+    return functools.reduce(lambda tree, key: tree[key], path, tree)["kernel"]
+
+
+def test_out_in_copies_store_kernels_transposed_and_fused_and_compute_the_same():
     """The CPU layout: the dense kernels' copies (attention projections, MLP) are `[out, in]` (`OutInKernel`,
-    which `LoRALinear` contracts on its last axis), other leaves as stacked; an untied head gets one `[vocab, d]`
-    copy, made again only when the model holds a new head. Each layer computes what the model's own layer slice
-    computes (to float32 rounding: 6 rows take `out_in_product`'s sum)."""
+    which `LoRALinear` contracts on its last axis); q/k/v and gate/up are each one copy, their kernels stacked
+    along `out` on the group's first module (`parts`: the widths), the others an empty placeholder; other leaves
+    as stacked. An untied head gets one `[vocab, d]` copy, made again only when the model holds a new head. Each
+    layer computes what the model's own layer slice computes, through `grouped` too (to float32 rounding: 6 rows
+    take `out_in_product`'s sum)."""
     from flax import nnx
 
-    from tx.models.layers.lora import LoraA, OutInKernel
+    from tx.models.layers.lora import LoraA, OutInKernel, grouped
 
     head_dv = stacked(5, layers=8)[:, 0]  # [d 8, vocab 4]
     model = MlpModel(head_dv)
@@ -114,20 +123,26 @@ def test_out_in_copies_store_mlp_kernels_and_the_head_transposed_and_compute_the
     layers = layer_states(defs, got.stacks)[0]
     x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 3, 8)), jnp.float32)
     adapter = jnp.asarray([0, 1])
+    groups = [((("mlp", "gate_proj"), ("mlp", "up_proj")), (24, 24)), ((("mlp", "down_proj"),), None),
+              ((("q_proj",), ("k_proj",), ("v_proj",)), (8, 4, 4))]
     for i, layer in enumerate(layers):
-        for path in (("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"), ("q_proj",)):
-            kernel = functools.reduce(lambda tree, key: tree[key], path, layer)["kernel"]
-            assert isinstance(kernel, OutInKernel)
-            stacked_io = np.asarray(functools.reduce(lambda tree, key: tree[key], path, model.state)["kernel"][...])
-            np.testing.assert_array_equal(np.asarray(kernel[...]), stacked_io[i].T)
+        for paths, parts in groups:
+            kernels = [kernel_of(layer, *path) for path in paths]
+            assert all(isinstance(kernel, OutInKernel) for kernel in kernels)
+            assert getattr(kernels[0], "parts", None) == parts
+            want_oi = np.concatenate([np.asarray(kernel_of(model.state, *path)[...])[i].T for path in paths])
+            np.testing.assert_array_equal(np.asarray(kernels[0][...]), want_oi)
+            assert all(kernel[...].shape == (0, 8) for kernel in kernels[1:])
         assert type(layer["q_proj"]["lora_a"]) is LoraA  # other leaves as stacked
         sliced = jax.tree.map(lambda a: a[i], model.state)
         mine, want = nnx.merge(model.graphdef, layer), nnx.merge(model.graphdef, sliced)
         want_out = np.asarray(want.mlp(x, adapter))
         assert np.abs(want_out).max() > 1.0
         np.testing.assert_allclose(np.asarray(mine.mlp(x, adapter)), want_out, rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(np.asarray(mine.q_proj(x, adapter)), np.asarray(want.q_proj(x, adapter)),
-                                   rtol=1e-5, atol=1e-5)
+        for a, b in zip(grouped((mine.q_proj, mine.k_proj, mine.v_proj), x, adapter),
+                        (want.q_proj(x, adapter), want.k_proj(x, adapter), want.v_proj(x, adapter)), strict=True):
+            assert a.shape == b.shape
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     made = copies.copied
     assert copies.get(model)[1].head_vd is got.head_vd and copies.copied == made  # unchanged: nothing copied
     model.head_dv = stacked(6, layers=8)[:, 0]  # a full-weight step trained the head
@@ -136,6 +151,26 @@ def test_out_in_copies_store_mlp_kernels_and_the_head_transposed_and_compute_the
     np.testing.assert_array_equal(np.asarray(again.head_vd), np.asarray(model.head_dv).T)
     model.head_dv = None  # tied: the head is the embedding, already `[vocab, d]`
     assert copies.get(model)[1].head_vd is None
+
+
+def test_a_new_kernel_of_a_fused_group_remakes_the_groups_copy_only():
+    """One new kernel of a fused group (`up_proj`): the group's copy is made again from both kernels (2 leaves
+    copied), the other copies are kept as they are."""
+    model = MlpModel(None)
+    copies = LayerCopies(out_in=True)
+    defs, got = copies.get(model)
+    made, old = copies.copied, [list(layer) for layer in got.stacks[0]]
+    up = model.state["mlp"]["up_proj"]["kernel"]
+    model.state["mlp"]["up_proj"]["kernel"] = up.replace(up[...] * 2.0)
+    defs, again = copies.get(model)
+    assert copies.copied == made + 2
+    layers = layer_states(defs, again.stacks)[0]
+    for i, layer in enumerate(layers):
+        want_oi = np.concatenate([np.asarray(kernel_of(model.state, "mlp", name)[...])[i].T
+                                  for name in ("gate_proj", "up_proj")])
+        np.testing.assert_array_equal(np.asarray(kernel_of(layer, "mlp", "gate_proj")[...]), want_oi)
+        kept = [j for j, leaf in enumerate(again.stacks[0][i]) if leaf is old[i][j]]
+        assert len(kept) == len(old[i]) - 2  # all but the group's two leaves (its copy and its placeholder)
 
 
 def test_out_in_leaves_expert_kernels_as_they_are():

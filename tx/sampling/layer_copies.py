@@ -16,7 +16,10 @@ of two or more rows read. In this layout a product of 2-32 rows runs as a multip
 matmul's speed (`tx.kernels.out_in`; a whole 8-row call 1.16-1.2x); larger calls run the matmul, which reads
 this layout about as fast as `[in, out]` (earlier runs 1.05-1.3x faster for the MLP kernels and head at 8-64
 rows, one run 0.8-1.0x; RL sampling, mostly such calls, level). One row keeps the model's head (its one-row
-product ~5% slower from the copy). Not on other platforms: their matmul libraries take either layout.
+product ~5% slower from the copy). The q/k/v kernels are one copy, and gate/up another (`FUSED_GROUPS`, read
+by `lora.grouped`): one product reads the group's weights in one pass, which at one row streams them faster
+(whole batch-1 calls 0.95-0.96x the time, level at 8 and 64 rows; docs/performance.md). Not on other
+platforms: their matmul libraries take either layout.
 
 Memory: one more copy of the layer weights (`Qwen3.layer_bytes()`), and of an untied head with `out_in`
 (made at the first decode call of two or more rows), held while the engine lives; the "auto" rule
@@ -30,9 +33,10 @@ import weakref
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from tx.models.layers.lora import OUT_IN_MODULES, OutInKernel
+from tx.models.layers.lora import FUSED_GROUPS, OUT_IN_MODULES, OutInKernel
 
 
 class Copies(NamedTuple):
@@ -49,37 +53,58 @@ def _unstack(stacked: jax.Array) -> list[jax.Array]:
 
 
 @jax.jit
-def _unstack_out_in(stacked_lio: jax.Array) -> list[jax.Array]:
-    return [stacked_lio[i].T for i in range(stacked_lio.shape[0])]
+def _unstack_out_in(*stacked_lio: jax.Array) -> list[jax.Array]:
+    """Per layer, the kernels `stacked_lio` (`[layers, in, out_j]`) as one `[sum of out_j, in]` array."""
+    return [jnp.concatenate([s[i].T for s in stacked_lio]) for i in range(stacked_lio[0].shape[0])]
 
 
 _transpose = jax.jit(lambda w: w.T)
 
 
-def _layout(state: Any, out_in: bool) -> tuple[Any, list[bool]]:
-    """The tree structure of one layer's copies and, per leaf, whether its copy is stored `[out, in]`: with
-    `out_in`, the dense `OUT_IN_MODULES` kernels (`[layers, in, out]` stacks; MoE experts keep their layout)."""
-    transposed: list[bool] = []
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
 
-    def visit(path, var):
-        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-        flip = (out_in and len(names) >= 2 and names[-1] == "kernel" and names[-2] in OUT_IN_MODULES
-                and var[...].ndim == 3)
-        transposed.append(flip)
-        return OutInKernel(var[...]) if flip else var
 
-    mapped = jax.tree_util.tree_map_with_path(visit, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return jax.tree.structure(mapped), transposed
+def _layout(state: Any, out_in: bool) -> tuple[Any, list[tuple[int, ...] | None]]:
+    """The tree structure of one layer's copies and, per leaf, what its copy holds: `()` the leaf's layer slice
+    as stored; else (with `out_in`) the leaves, by index, whose kernels it holds stacked `[out, in]`: a dense
+    `OUT_IN_MODULES` kernel (`[layers, in, out]` stacks; MoE experts keep their layout) its own, the first
+    module of a `FUSED_GROUPS` group the group's; None for the group's others (an empty placeholder)."""
+    flat, outer = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)
+    kernels: dict[tuple, int] = {}  # (parent module's path, module name) -> leaf index
+    for j, (path, var) in enumerate(flat):
+        names = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+        if (out_in and len(names) >= 2 and names[-1] == "kernel" and names[-2] in OUT_IN_MODULES
+                and var[...].ndim == 3):
+            kernels[names[:-2], names[-2]] = j
+    plan: list[tuple[int, ...] | None] = [()] * len(flat)
+    for j in kernels.values():
+        plan[j] = (j,)
+    for parent, group in {(parent, group) for parent, _ in kernels for group in FUSED_GROUPS}:
+        members = tuple(kernels.get((parent, name)) for name in group)
+        if None not in members:
+            plan[members[0]] = members
+            for j in members[1:]:
+                plan[j] = None
+    copies = [var if members == () else OutInKernel(var[...]) if members is None or len(members) == 1
+              else OutInKernel(var[...], parts=tuple(flat[m][1][...].shape[-1] for m in members))
+              for (_, var), members in zip(flat, plan)]
+    return jax.tree.structure(jax.tree.unflatten(outer, copies)), plan
 
 
 class _Stack:
     """One stack's copies: per leaf, the stacked array it was copied from (by weak reference) and its per-layer
     copies; and those copies assembled per layer (what a decode call takes)."""
 
-    def __init__(self, treedef: Any, transposed: list[bool]) -> None:
-        self.treedef, self.transposed = treedef, transposed
-        self.sources: list[weakref.ref | None] = [None] * len(transposed)
-        self.copies: list[list[jax.Array] | None] = [None] * len(transposed)
+    def __init__(self, treedef: Any, plan: list[tuple[int, ...] | None]) -> None:
+        self.treedef, self.plan = treedef, plan
+        # the leaf whose copy holds each leaf (itself, or its fused group's first module)
+        self.holder = list(range(len(plan)))
+        for j, members in enumerate(plan):
+            for m in members or ():
+                self.holder[m] = j
+        self.sources: list[weakref.ref | None] = [None] * len(plan)
+        self.copies: list[list[jax.Array] | None] = [None] * len(plan)
         self.layers: list[list[jax.Array]] | None = None
 
 
@@ -108,13 +133,21 @@ class LayerCopies:
             defs.append(stack.treedef)
             stale = [j for j, leaf in enumerate(leaves) if stack.sources[j] is None or stack.sources[j]() is not leaf]
             if stale:
-                # the per-layer lists go first: each stale leaf's copies are freed as its new ones are made (after
-                # a full-weight optimizer step, every leaf), never a whole second set at once
+                # the per-layer lists go first, and a leaf's stale copies before its new ones are made (after a
+                # full-weight optimizer step every leaf is new): never a whole second set at once
                 stack.layers = None
-                for j in stale:
-                    unstack = _unstack_out_in if stack.transposed[j] else _unstack
-                    stack.sources[j], stack.copies[j] = weakref.ref(leaves[j]), unstack(leaves[j])
-                    self.copied += 1
+                for j in sorted({stack.holder[j] for j in stale}):
+                    members = stack.plan[j] or (j,)
+                    stack.copies[j] = None
+                    if stack.plan[j]:
+                        stack.copies[j] = _unstack_out_in(*(leaves[m] for m in members))
+                    else:
+                        stack.copies[j] = _unstack(leaves[j])
+                    for m in members[1:]:
+                        stack.copies[m] = [_placeholder(leaves[m])] * len(stack.copies[j])
+                    for m in members:
+                        stack.sources[m] = weakref.ref(leaves[m])
+                    self.copied += len(members)
             if stack.layers is None:
                 stack.layers = [list(layer) for layer in zip(*stack.copies)]
             out.append(stack.layers)
@@ -134,6 +167,11 @@ class LayerCopies:
             self._head = weakref.ref(head_dv), _transpose(head_dv)
             self.copied += 1
         return self._head[1]
+
+
+def _placeholder(stacked_lio: jax.Array) -> jax.Array:
+    """An empty `[0, in]` stand-in for a fused group's other kernels (their values sit in the first's copy)."""
+    return jnp.zeros((0, stacked_lio.shape[1]), stacked_lio.dtype)
 
 
 def layer_states(defs: tuple[Any, ...], layers: list[list[list[jax.Array]]]) -> list[list[Any]]:

@@ -33,7 +33,7 @@ from tx.kernels.attention import SelfAttentionMask, self_attention
 from tx.kernels.paged_attention import PagedKV, paged_attention
 from tx.kernels.shared_prefix import SharedPrefix
 from tx.models.config import ModelConfig
-from tx.models.layers.lora import LoRALinear
+from tx.models.layers.lora import LoRALinear, grouped
 from tx.models.layers.norm import RMSNorm
 from tx.models.layers.rope import apply_rope
 from tx.models.logical import NO_SHARDING, LogicalSharding
@@ -183,11 +183,12 @@ class Attention(nnx.Module):
         keys/values are written into its pages and queries attend over their sequences' pages (`mask`
         unused); the updated pools `(k_pool, v_pool)` are returned. The kernel runs per device (module doc)."""
         b, t, _ = x_btd.shape
-        q_bthd = self.q_proj(x_btd, adapter_b).reshape(b, t, self.num_heads, self.head_dim)
-        k_btkd = self.k_proj(x_btd, adapter_b).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q_btf, k_btf, v_btf = grouped((self.q_proj, self.k_proj, self.v_proj), x_btd, adapter_b)
+        q_bthd = q_btf.reshape(b, t, self.num_heads, self.head_dim)
+        k_btkd = k_btf.reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q_bthd, k_btkd = self.q_norm(q_bthd), self.k_norm(k_btkd)
-        v_btkd = self.v_proj(x_btd, adapter_b).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v_btkd = v_btf.reshape(b, t, self.num_kv_heads, self.head_dim)
         q_bthd, k_btkd = apply_rope(q_bthd, *cos_sin), apply_rope(k_btkd, *cos_sin)
         q_bthd = self.shard.constrain(q_bthd, Q_AXES)
         k_btkd = self.shard.constrain(k_btkd, KV_AXES)

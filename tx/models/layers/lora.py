@@ -40,11 +40,16 @@ class LoraScale(nnx.Variable):
 
 class OutInKernel(nnx.Variable):
     """A copy of a `LoRALinear` kernel stored `[out, in]`, never a model parameter: unrolled decode keeps its
-    dense kernels so on CPU (`tx.sampling.layer_copies`), read by `tx.kernels.out_in.out_in_product`."""
+    dense kernels so on CPU (`tx.sampling.layer_copies`), read by `tx.kernels.out_in.out_in_product`. A copy
+    with metadata `parts` (each module's out width) holds a whole `FUSED_GROUPS` group's kernels stacked along
+    `out`, on the group's first module (the others hold an empty placeholder); `grouped` reads it."""
 
 
 # the LoRALinear kernels such copies transpose: the dense layers' attention projections and MLP
 OUT_IN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# sibling modules of one input whose copies are one `[sum of out, in]` kernel: one product reads them in one
+# pass (one row on a 2-core CPU: ~10% faster for q/k/v and for gate/up than their separate products)
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def lora_variables(
@@ -83,17 +88,38 @@ class LoRALinear(nnx.Module):
 
     def __call__(self, x_bti: jax.Array, adapter_b: jax.Array | None) -> jax.Array:
         """`adapter_b` [b] picks each row's adapter; None computes the base layer only."""
-        kernel, lora_a_air, lora_b_aro = self.kernel[...], self.lora_a[...], self.lora_b[...]
-        out_in = isinstance(self.kernel, OutInKernel)
+        return self.plus_delta(self.product(x_bti, self.kernel), x_bti, adapter_b)
+
+    def product(self, x_bti: jax.Array, kernel: nnx.Variable) -> jax.Array:
+        """float32 `x kernel` with `kernel` this module's (or its group's fused copy) in its compute layout."""
+        w = kernel[...]
+        out_in = isinstance(kernel, OutInKernel)
         if self.axes is not None:
             i, o = self.axes
-            kernel = self.shard.gathered(kernel, (o, i) if out_in else (i, o))
-            lora_a_air = self.shard.gathered(lora_a_air, ("adapter", i, "rank"))
-            lora_b_aro = self.shard.gathered(lora_b_aro, ("adapter", "rank", o))
+            w = self.shard.gathered(w, (o, i) if out_in else (i, o))
         if out_in:
-            y_bto = out_in_product(x_bti, kernel)
-        else:
-            y_bto = jnp.dot(x_bti, kernel, preferred_element_type=jnp.float32)
+            return out_in_product(x_bti, w)
+        return jnp.dot(x_bti, w, preferred_element_type=jnp.float32)
+
+    def plus_delta(self, y_bto: jax.Array, x_bti: jax.Array, adapter_b: jax.Array | None) -> jax.Array:
+        """`y_bto` plus each row's LoRA delta (None: none), in `x_bti`'s dtype."""
         if adapter_b is not None:
+            lora_a_air, lora_b_aro = self.lora_a[...], self.lora_b[...]
+            if self.axes is not None:
+                i, o = self.axes
+                lora_a_air = self.shard.gathered(lora_a_air, ("adapter", i, "rank"))
+                lora_b_aro = self.shard.gathered(lora_b_aro, ("adapter", "rank", o))
             y_bto = y_bto + lora_delta_rows(x_bti, adapter_b, lora_a_air, lora_b_aro, self.lora_scale[...])
         return y_bto.astype(x_bti.dtype)
+
+
+def grouped(modules: tuple[LoRALinear, ...], x_bti: jax.Array, adapter_b: jax.Array | None) -> list[jax.Array]:
+    """Each of `modules`' outputs (a `FUSED_GROUPS` group, in its order) for the same input: one product where
+    the first holds the group's fused copy (`OutInKernel` with `parts`), split, plus each module's delta."""
+    parts = getattr(modules[0].kernel, "parts", None)
+    if parts is None:
+        return [module(x_bti, adapter_b) for module in modules]
+    y_bto = modules[0].product(x_bti, modules[0].kernel)
+    starts = [sum(parts[:j]) for j in range(len(parts))]
+    return [module.plus_delta(y_bto[..., start : start + width], x_bti, adapter_b)
+            for module, start, width in zip(modules, starts, parts)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from tx.models.layers.lora import LoRALinear
+from tx.models.layers.lora import LoRALinear, grouped
 from tx.models.logical import NO_SHARDING, LogicalSharding
 
 
@@ -21,6 +21,7 @@ class MLP(nnx.Module):
         self.down_proj = LoRALinear(ff, d, name="down_proj", **kw)
 
     def __call__(self, x_btd: jax.Array, adapter_b: jax.Array | None) -> jax.Array:
-        h_btf = jax.nn.silu(self.gate_proj(x_btd, adapter_b)) * self.up_proj(x_btd, adapter_b)
+        gate_btf, up_btf = grouped((self.gate_proj, self.up_proj), x_btd, adapter_b)
+        h_btf = jax.nn.silu(gate_btf) * up_btf
         h_btf = self.shard.constrain(h_btf, ("batch", "length", "mlp"))
         return self.down_proj(h_btf, adapter_b)
