@@ -86,9 +86,14 @@ def _layout(state: Any, out_in: bool) -> tuple[Any, list[tuple[int, ...] | None]
             plan[members[0]] = members
             for j in members[1:]:
                 plan[j] = None
-    copies = [var if members == () else OutInKernel(var[...]) if members is None or len(members) == 1
-              else OutInKernel(var[...], parts=tuple(flat[m][1][...].shape[-1] for m in members))
-              for (_, var), members in zip(flat, plan)]
+    copies = []
+    for (_, var), members in zip(flat, plan):
+        if members == ():
+            copies.append(var)
+        elif members is not None and len(members) > 1:
+            copies.append(OutInKernel(var[...], parts=tuple(flat[m][1][...].shape[-1] for m in members)))
+        else:  # its own kernel, or a fused group's placeholder
+            copies.append(OutInKernel(var[...]))
     return jax.tree.structure(jax.tree.unflatten(outer, copies)), plan
 
 
