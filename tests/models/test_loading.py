@@ -127,3 +127,26 @@ def test_no_unused_warning_for_a_clean_or_tied_checkpoint(tiny_dirs, tmp_path, c
         load_model(tiny_dirs["moe"])
         load_model(tied)
     assert _unused_warnings(caplog) == []
+
+
+def test_lora_factors_are_xlas_buffers_so_slot_writes_update_them_in_place(tiny_dirs, monkeypatch):
+    """The loaded model's zero LoRA factors are made by XLA, never wrapped from numpy: with every `np.zeros`
+    64-byte aligned (jax on CPU wraps such an array without copying, and a wrapped buffer cannot be donated),
+    writing an adapter's slot (`put_slot`, which donates the factors) still updates every one in place."""
+    import jax
+    from flax import nnx
+
+    from tests.helpers import aligned_zeros
+    from tx.backends.steps import put_slot, take_slot
+    from tx.models.config import LoraSlots
+    from tx.models.layers.lora import LoraA, LoraB
+
+    with monkeypatch.context() as patch:
+        patch.setattr(np, "zeros", aligned_zeros)
+        model = load_model(tiny_dirs["dense"], LoraSlots(max_lora_adapters=3, max_lora_rank=4))
+    lora = nnx.state(model, nnx.Any(LoraA, LoraB))
+    before = [leaf.unsafe_buffer_pointer() for leaf in jax.tree.leaves(lora)]
+    assert len(before) > 10
+    after = put_slot(lora, jax.tree.map(jnp.ones_like, take_slot(lora, jnp.int32(1))), jnp.int32(1))
+    assert [leaf.unsafe_buffer_pointer() for leaf in jax.tree.leaves(after)] == before
+    assert all(float(np.asarray(leaf).sum()) > 0 for leaf in jax.tree.leaves(after))

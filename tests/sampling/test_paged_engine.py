@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import tx
-from tests.helpers import make_batch
+from tests.helpers import aligned_zeros, make_batch
 from tests.sampling import oracle
 from tests.sampling.test_sample import PROMPTS, SP, sample_batch
 from tx import types
@@ -90,18 +90,6 @@ def test_small_pool_and_few_slots_wait_and_give_the_same_tokens(tiny_dirs, engin
     for request_id, *_ in requests:
         assert [s.tokens for s in want[request_id].sequences] == [s.tokens for s in got[request_id].sequences]
     assert tight.sampler.paged.stats["peak_pages"] <= 50
-
-
-def aligned_zeros(shape, dtype=float, order="C", **kwargs):
-    """`np.zeros` whose data starts 64-byte aligned, as glibc's heap hands out by chance: jax on CPU wraps such
-    a host array without copying, and a wrapped buffer cannot be donated."""
-    dtype, size = np.dtype(dtype), int(np.prod(shape))
-    raw = ZEROS(size * dtype.itemsize + 64, np.uint8)
-    start = -raw.ctypes.data % 64
-    return raw[start:start + size * dtype.itemsize].view(dtype).reshape(shape, order=order)
-
-
-ZEROS = np.zeros
 
 
 def test_the_kv_pools_pages_are_resident_only_where_rows_wrote(tiny_dirs, engines, caplog, monkeypatch):

@@ -3,7 +3,8 @@
 Nothing is randomly initialised: the model is traced with `nnx.eval_shape`, then each parameter is
 created with `jax.make_array_from_callback`, whose callback reads only the slice a local device owns
 from the memory-mapped checkpoint (transposing HF's `[out, in]` linears and stacking layers and experts
-on the fly). Host memory therefore holds at most one device shard of one parameter at a time.
+on the fly). Host memory therefore holds at most one device shard of one parameter at a time. The LoRA
+factors and scales, zero until an adapter is created, are made by XLA on the devices (`zeros_global`).
 
 Checkpoint tensors the model does not read are listed in one warning (as transformers' "Some weights of
 the model checkpoint ... were not used"), except those a checkpoint may legitimately carry (`_NOT_NEEDED`).
@@ -30,7 +31,7 @@ from tx.models.layers.lora import LoraA, LoraB, LoraScale
 from tx.models.registry import model_class
 from tx.models.safetensors_io import SafetensorsDir
 from tx.models.logical import DEFAULT_RULES, NO_SHARDING, LogicalSharding, Rules
-from tx.models.sharding import logical_sharding, make_mesh, param_sharding
+from tx.models.sharding import logical_sharding, make_mesh, param_sharding, zeros_global
 
 logger = logging.getLogger(__name__)
 
@@ -280,10 +281,7 @@ def load_model(
         want = var.get_value()
         sharding = param_sharding(names, want.shape, mesh, cfg, shard_attention_heads, rules)
         if isinstance(var, (LoraA, LoraB, LoraScale)):
-            value = jax.make_array_from_callback(
-                want.shape, sharding, lambda idx, shp=want.shape, dt=want.dtype: np.zeros(
-                    [len(range(*s.indices(n))) for s, n in zip(idx, shp)], dt), dtype=want.dtype,
-            )
+            value = zeros_global(want.shape, want.dtype, sharding)  # XLA's buffers: slot writes donate them
         else:
             src = hf_source(names, abstract, files)
             used.update(src.names())

@@ -20,6 +20,7 @@ does not divide by its mesh axis is replicated along it.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Mapping
@@ -162,6 +163,21 @@ def param_spec(
 def param_sharding(path, shape, mesh: Mesh, cfg: ModelConfig, shard_attention_heads: bool = True,
                    rules: Rules = DEFAULT_RULES) -> NamedSharding:
     return NamedSharding(mesh, param_spec(path, shape, mesh, cfg, shard_attention_heads, rules))
+
+
+def zeros_global(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> jax.Array:
+    """A zero-filled global array that XLA makes on each device (each process its own shards). Not `put_global`
+    of `np.zeros`: jax on CPU wraps a 64-byte-aligned host array without copying (where numpy's buffer lands
+    depends on the heap's history), and a wrapped buffer cannot be donated, so the first call that donates it
+    copies it whole."""
+    return _zeros_program(tuple(shape), np.dtype(dtype), sharding)()
+
+
+@functools.cache
+def _zeros_program(shape: tuple[int, ...], dtype: np.dtype, sharding: NamedSharding) -> Any:
+    import jax.numpy as jnp
+
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
 
 
 def put_global(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
