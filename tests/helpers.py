@@ -91,6 +91,9 @@ def one_device_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return {**(os.environ if env is None else env), "XLA_FLAGS": cpu_xla_flags(1), "JAX_PLATFORMS": "cpu"}
 
 
+_ZEROS = np.zeros  # numpy's own, for `aligned_zeros` while tests patch `np.zeros`
+
+
 def aligned_zeros(shape, dtype=float, order="C", **kwargs) -> np.ndarray:
     """`np.zeros` whose data starts 64-byte aligned, as glibc's heap hands out by chance: jax on CPU wraps such
     a host array without copying, and a wrapped buffer cannot be donated. Tests patch `np.zeros` with it."""
@@ -98,9 +101,6 @@ def aligned_zeros(shape, dtype=float, order="C", **kwargs) -> np.ndarray:
     raw = _ZEROS(size * dtype.itemsize + 64, np.uint8)
     start = -raw.ctypes.data % 64
     return raw[start : start + size * dtype.itemsize].view(dtype).reshape(shape, order=order)
-
-
-_ZEROS = np.zeros
 
 
 def resident_bytes(array) -> int:

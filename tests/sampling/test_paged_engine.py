@@ -302,8 +302,8 @@ def layer_barriers(program_text: str) -> int:
 def test_prefill_calls_run_on_the_layer_copies_in_turn(tiny_dirs, engines, monkeypatch):
     """Prefill calls run unrolled on the copies decode keeps (a scan would slice every layer's weights per
     call), each layer's weights behind a barrier with the previous layer's output (no layer starts before
-    the one before it has ended, so activations do not pile up across layers). The tokens are those of an engine that scans the stacks, and of the model's plain forward
-    (the oracle)."""
+    the one before it has ended, so activations do not pile up across layers). The tokens are those of an
+    engine that scans the stacks, and of the model's plain forward (the oracle)."""
     _, engine = engines
     slot = engine.models["a"].adapter_index
     requests = requests_mixed()

@@ -88,12 +88,12 @@ class LoRALinear(nnx.Module):
 
     def __call__(self, x_bti: jax.Array, adapter_b: jax.Array | None) -> jax.Array:
         """`adapter_b` [b] picks each row's adapter; None computes the base layer only."""
-        return self.plus_delta(self.product(x_bti, self.kernel), x_bti, adapter_b)
+        return self.plus_delta(self.product(x_bti), x_bti, adapter_b)
 
-    def product(self, x_bti: jax.Array, kernel: nnx.Variable) -> jax.Array:
-        """float32 `x kernel` with `kernel` this module's (or its group's fused copy) in its compute layout."""
-        w = kernel[...]
-        out_in = isinstance(kernel, OutInKernel)
+    def product(self, x_bti: jax.Array) -> jax.Array:
+        """float32 `x kernel` (the whole group's where the kernel is a fused copy), in its compute layout."""
+        w = self.kernel[...]
+        out_in = isinstance(self.kernel, OutInKernel)
         if self.axes is not None:
             i, o = self.axes
             w = self.shard.gathered(w, (o, i) if out_in else (i, o))
@@ -119,7 +119,7 @@ def grouped(modules: tuple[LoRALinear, ...], x_bti: jax.Array, adapter_b: jax.Ar
     parts = getattr(modules[0].kernel, "parts", None)
     if parts is None:
         return [module(x_bti, adapter_b) for module in modules]
-    y_bto = modules[0].product(x_bti, modules[0].kernel)
+    y_bto = modules[0].product(x_bti)
     starts = [sum(parts[:j]) for j in range(len(parts))]
     return [module.plus_delta(y_bto[..., start : start + width], x_bti, adapter_b)
             for module, start, width in zip(modules, starts, parts)]
