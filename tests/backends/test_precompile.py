@@ -77,33 +77,33 @@ def test_decode_block_prompts_reach_every_bucket_first(max_seq, page, kv_block):
 @pytest.mark.parametrize("max_seq,chunk,rows,slots,fsdp", [(24, 8, 4, 2, 1), (256, 64, 64, 2, 1), (96, 8, 2, 8, 1),
                                                           (512, 16, 64, 4, 2), (2048, 64, 64, 64, 1)])
 def test_prefill_prompt_lengths_reach_every_row_count(max_seq, chunk, rows, slots, fsdp):
-    """Brute force: the row counts a first prefill call can take (up to `slots` prompts of 2 .. max_seq - 2
-    tokens admitted at once, each prefilled up to its last token) are each reached by the slot-count runs
-    (one one-chunk prompt) or by one of the prompt sets, which stay within those limits."""
+    """Brute force: the row counts a first prefill call can take (up to `slots` prompts of 1 .. max_seq - 2
+    tokens admitted at once, each prefilled whole) are each reached by the slot-count runs (one one-chunk
+    prompt) or by one of the prompt sets, which stay within those limits."""
     def chunks(n):
-        return -(-(n - 1) // chunk)
+        return -(-n // chunk)
 
-    per_prompt = max(chunks(n) for n in range(2, max_seq - 1))
+    per_prompt = max(chunks(n) for n in range(1, max_seq - 1))
     reachable = {prefill_row_count(w, rows, fsdp) for w in range(1, slots * per_prompt + 1)}
     sets = prefill_prompt_lengths(max_seq, chunk, rows, slots, fsdp)
-    assert all(len(lengths) <= slots and all(2 <= n <= max_seq - 2 for n in lengths) for lengths in sets)
+    assert all(len(lengths) <= slots and all(1 <= n <= max_seq - 2 for n in lengths) for lengths in sets)
     covered = {prefill_row_count(1, rows, fsdp)}
     covered |= {prefill_row_count(sum(chunks(n) for n in lengths), rows, fsdp) for lengths in sets}
     assert covered == reachable
 
 
 def test_one_row_prefill_prompts():
-    """Every width a one-row prefill call takes for prompts of 2 .. max_seq - 2 tokens (brute force), each with a
+    """Every width a one-row prefill call takes for prompts of 1 .. max_seq - 2 tokens (brute force), each with a
     prompt in those limits whose one-row prefill takes it."""
     from tx.sampling.paged_calls import prefill_width
 
-    def width(n):  # a prompt of n tokens alone: its first call writes min(n - 1, chunk) tokens
-        return prefill_width(min(n - 1, chunk), 1, chunk)
+    def width(n):  # a prompt of n tokens alone: its first call writes min(n, chunk) tokens
+        return prefill_width(min(n, chunk), 1, chunk)
 
     for max_seq, chunk in [(24, 8), (24, 16), (100, 64), (32, 64), (6, 8), (40, 1), (40, 2)]:
         prompts = one_row_prefill_prompts(max_seq, chunk)
-        assert set(prompts) == {width(n) for n in range(2, max_seq - 1)}, (max_seq, chunk)
-        assert all(2 <= n <= max_seq - 2 and width(n) == w for w, n in prompts.items()), (max_seq, chunk, prompts)
+        assert set(prompts) == {width(n) for n in range(1, max_seq - 1)}, (max_seq, chunk)
+        assert all(1 <= n <= max_seq - 2 and width(n) == w for w, n in prompts.items()), (max_seq, chunk, prompts)
 
 
 def test_precompile_covers_the_decode_block_buckets(tiny_dirs):

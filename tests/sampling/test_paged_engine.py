@@ -63,13 +63,39 @@ def test_paged_equals_oracle_and_transformers(tiny_dirs, engines):
                           pad_token_id=0)[0, len(prompt):].tolist()
         assert got[f"g{i}"].sequences[0].tokens == ids
     assert len({tuple(s.tokens) for s in got["s"].sequences}) == 5  # seed + i per sample
-    # one prefill per request (the 5 samples of "s" and 2 of "k" share their prompt's), and requests repeating
-    # an earlier prompt with the same weights read its full pages from the prefix cache
+    # one prefill of the whole prompt per request (the 5 samples of "s" and 2 of "k" share their prompt's), and
+    # requests repeating an earlier prompt with the same weights read its full pages from the prefix cache
     stats = paged.sampler.paged.stats
-    per_request = sum(len(p) - 1 for p in PROMPTS) * 2 + len(PROMPTS[2]) - 1 + len(PROMPTS[0]) - 1
+    per_request = sum(len(p) for p in PROMPTS) * 2 + len(PROMPTS[2]) + len(PROMPTS[0])
     assert stats["prefill_tokens"] + stats["prefill_tokens_cached"] == per_request
     assert stats["prefill_tokens_cached"] >= 8  # "s" repeats "ga2"'s 8-token prefix: 2 full pages
     # (the base rows "g2" and "k" repeat prompts too, but shared weights never reuse another request's pages)
+
+
+def test_a_prompts_last_token_goes_through_the_model_once(tiny_dirs, engines):
+    """The prefill writes the whole prompt and keeps its last token's final hidden state, from which each row
+    chooses its first token: a call whose rows all start there runs no layers in its first step, so a request
+    of `max_tokens` n on an idle engine costs n - 1 decode forward steps, however many samples it has. Its
+    tokens are transformers' greedy ones (base weights) and the oracle's (adapter "a", seeded samples)."""
+    _, paged = engines
+    stats = paged.sampler.paged.stats
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dirs["dense"], dtype=torch.float32)
+    prompt = [9, 8, 7, 6, 5, 4, 3]
+    for n in (1, 6):
+        before = stats["decode_forwards"]
+        got = paged.sample(sample_batch([("g", "", [(prompt, SP(max_tokens=n, temperature=0.0, stop=[]))] * 3,
+                                          False, 0)]))
+        assert stats["decode_forwards"] - before == n - 1
+        ids = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+        assert [s.tokens for s in got["g"].sequences] == [ids] * 3
+    seeded = sample_batch([("s", "a", [(prompt, SP(max_tokens=5, temperature=1.0, seed=3, stop=[]))] * 3, False, 0)])
+    before = stats["decode_forwards"]
+    got = paged.sample(seeded)
+    assert stats["decode_forwards"] - before == 4
+    for x, y in zip(got["s"].sequences, oracle.sample(paged, seeded)["s"].sequences):
+        assert x.tokens == y.tokens
+        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)
 
 
 def test_small_pool_and_few_slots_wait_and_give_the_same_tokens(tiny_dirs, engines):
@@ -348,9 +374,9 @@ def test_a_lone_short_prefill_narrows_its_chunk(tiny_dirs, engines):
     slot = engine.models["a"].adapter_index
     set_adapter_weights(b.model, slot, get_adapter_weights(engine.model, slot, 4), alpha=8, rank=4)
     greedy = SP(max_tokens=5, temperature=0.0, stop=[])
-    long = [60 + i for i in range(12)]  # 11 prefilled tokens: 2 pages of 4, then 3 more
+    long = [60 + i for i in range(12)]  # 12 prefilled tokens: 3 pages of 4
     widths = []
-    for i, prompt in enumerate([[70, 71, 72], [80, 81, 82, 83, 84], long, long]):
+    for i, prompt in enumerate([[70, 71], [80, 81, 82, 83], long, long]):
         before = set(b.runtime.keys())
         tokens_before = b.sampler.paged.stats["prefill_tokens"]
         request = [(f"r{i}", "a", [(prompt, greedy)], False, 0)]
@@ -358,9 +384,10 @@ def test_a_lone_short_prefill_narrows_its_chunk(tiny_dirs, engines):
         assert got[f"r{i}"].sequences[0].tokens == want[f"r{i}"].sequences[0].tokens, i
         widths += [k[2] for k in set(b.runtime.keys()) - before if k[0] == "sample_prefill"]
         written = b.sampler.paged.stats["prefill_tokens"] - tokens_before
-    # new programs in order: 2 and 4 tokens on a quarter and a half chunk, 11 on two rows of a full chunk; the
-    # repeat finds 2 pages cached and writes the 3 tokens after them on the half chunk (no new program)
-    assert widths == [2, 4, 8] and written == 3, (widths, written)
+    # new programs in order: 2 and 4 tokens on a quarter and a half chunk, 12 on two rows of a full chunk; the
+    # repeat finds 2 pages cached (not the last token's: its hidden state gives the first token) and writes the 4
+    # tokens after them on the half chunk (no new program)
+    assert widths == [2, 4, 8] and written == 4, (widths, written)
 
 
 def test_kv_blocks_auto_means_bucketed_on_gpus_only():
@@ -492,7 +519,7 @@ def test_a_large_calls_token_choice_in_groups_of_slots_is_the_same_bits(tiny_dir
     groups = []
 
     def recorded(fn, args, k):
-        groups.append(k)
+        groups.append((args[0].shape[0], k))
         return map_row_groups(fn, args, k)
 
     map_row_groups = paged_step.map_row_groups
@@ -507,7 +534,7 @@ def test_a_large_calls_token_choice_in_groups_of_slots_is_the_same_bits(tiny_dir
     batch = sample_batch(requests)
     batch.request_options = [types.SampleOptions(topk_sample_logprobs=3)] * len(requests)
     want, got = at_once.sample(batch), grouped.sample(batch)
-    assert groups and all(k > 1 for k in groups), groups
+    assert groups and all(k == slots for slots, k in groups) and max(groups)[1] > 1, groups  # a group per slot
     oracle_out = oracle.sample(at_once, batch)
     for request_id, *_ in requests:
         for x, y, z in zip(want[request_id].sequences, got[request_id].sequences, oracle_out[request_id].sequences):

@@ -29,6 +29,9 @@ SAMPLING_COUNTERS = {
     "prefill_tokens_cached": ("tx_sampling_prefix_cache_hit_tokens",
                               "Prompt tokens read from the prefix cache instead of computed"),
     "decode_tokens": ("tx_sampling_decode_tokens", "Tokens decoded by the sampling engine"),
+    "decode_forwards": ("tx_sampling_decode_forward_steps",
+                        "Decode steps that ran the model's layers (none where every row of a call starts from its "
+                        "prompt's prefilled last token)"),
     "calls": ("tx_sampling_calls", "Device calls of the sampling engine"),
     "preempted": ("tx_sampling_preemptions", "Sequences preempted (their KV pages given to others)"),
     "pages_uncached": ("tx_kv_cache_pages_uncached",

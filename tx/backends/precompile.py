@@ -47,8 +47,8 @@ def prefill_prompt_lengths(max_seq_len: int, chunk: int, prefill_rows: int, max_
     """For each prefill row count (`paged_calls.prefill_row_count`) but one chunk's (the slot-count runs
     prefill one one-chunk prompt), the lengths of prompts whose first prefill call takes it: one iteration
     admits up to `max_num_seqs` one-sample requests, each prompt spanning at most the chunks of one with 2 new
-    tokens (max_seq_len - 2 tokens; its last token is not prefilled)."""
-    per_prompt = max(1, (max_seq_len - 4) // chunk + 1)
+    tokens (max_seq_len - 2 tokens, every one prefilled)."""
+    per_prompt = max(1, (max_seq_len - 3) // chunk + 1)
     most = max_num_seqs * per_prompt
     reached = {prefill_row_count(1, prefill_rows, fsdp)}
     wanted: dict[int, int] = {}  # row count -> the most chunks that take it
@@ -58,18 +58,18 @@ def prefill_prompt_lengths(max_seq_len: int, chunk: int, prefill_rows: int, max_
     for rows in sorted(set(wanted) - reached):
         w = wanted[rows]
         chunks = [per_prompt] * (w // per_prompt) + ([w % per_prompt] if w % per_prompt else [])
-        out.append([(c - 1) * chunk + 2 for c in chunks])  # c chunks of prefix: (c - 1) * chunk + 1 tokens
+        out.append([(c - 1) * chunk + 1 for c in chunks])  # c chunks: (c - 1) * chunk + 1 tokens
     return out
 
 
 def one_row_prefill_prompts(max_seq_len: int, chunk: int) -> dict[int, int]:
     """Each width a one-row prefill call can take (`paged_calls.prefill_width`) -> the length of a prompt alone
     whose prefill takes it. The row writes 1 .. chunk tokens, at most those of the longest prompt with 2 new
-    tokens (max_seq_len - 2 tokens, its last one not prefilled)."""
-    most = min(chunk, max_seq_len - 3)
+    tokens (max_seq_len - 2 tokens, every one prefilled)."""
+    most = min(chunk, max_seq_len - 2)
     prompts: dict[int, int] = {}
     for n in range(1, most + 1):
-        prompts[prefill_width(n, 1, chunk)] = n + 1  # the most tokens each width takes
+        prompts[prefill_width(n, 1, chunk)] = n  # the most tokens each width takes
     return dict(sorted(prompts.items()))
 
 

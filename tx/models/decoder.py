@@ -14,6 +14,7 @@ chunks.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -148,13 +149,16 @@ class DecoderStack(nnx.Module):
         return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(self.scanned_state()))
 
     def __call__(self, x_btd, cos_sin, mask_bts, adapter_b: jax.Array | None, paged: PagedKV | None = None,
-                 layers: list | None = None):
+                 layers: list | None = None, last_at_b: jax.Array | None = None):
         """Hidden states, and None; or, given the sampling engine's `PagedKV`, the updated page pools, where
-        `layers` (one `scanned_state()` per layer) runs the layers one by one on those arrays."""
+        `layers` (one `scanned_state()` per layer) runs the layers one by one on those arrays, and `last_at_b`
+        (paged only) asks for the hidden state `[b, 1, d]` of one token a row (`_paged`)."""
         graphdef, whole, state = self._split()
         layer_l = jnp.arange(len(self.layer_ids), dtype=jnp.int32)
         if paged is not None:
-            return self._paged(graphdef, whole, state, layer_l, x_btd, cos_sin, adapter_b, paged, layers)
+            return self._paged(graphdef, whole, state, layer_l, x_btd, cos_sin, adapter_b, paged, layers, last_at_b)
+        if last_at_b is not None:
+            raise ValueError("last_at_b selects tokens of a paged call only")
 
         def body(h_btd, xs):
             layer_state, layer = xs
@@ -172,14 +176,20 @@ class DecoderStack(nnx.Module):
         h_btd, _ = jax.lax.scan(body, x_btd, (state, layer_l))
         return h_btd, None
 
-    def _paged(self, graphdef, whole, state, layer_l, x_btd, cos_sin, adapter_b, paged: PagedKV, layers):
+    def _paged(self, graphdef, whole, state, layer_l, x_btd, cos_sin, adapter_b, paged: PagedKV, layers,
+               last_at_b: jax.Array | None = None):
         """Sampling-engine mode: the stack's page pools ride in the scan carry and each layer scatters its
         keys/values into them at its own index (no per-layer copy of the cache; in place when donated).
         With `layers`, a Python loop over them instead of the scan (the same body); in a call of more than one
         token a row (prefill) each layer's weights pass an optimization barrier with the previous layer's
         output, so XLA runs the layers in turn: unordered, the unrolled program held several layers' activations
         at once (a 4,096-token call at a 100M shape: 387 MB of temporaries, 259 MB ordered, 134 MB scanned)
-        and ran slower (bench_peer's batch 8 on CPU: 0.977x the scan's call time unordered, 0.952x ordered)."""
+        and ran slower (bench_peer's batch 8 on CPU: 0.977x the scan's call time unordered, 0.952x ordered).
+        `last_at_b` (int32 `[b]`): the output is the hidden state of token `last_at_b[i]` of each row only
+        (`[b, 1, d]`, what a prefill call keeps of a prompt's last token): every token still writes its keys and
+        values in every layer, and the last layer then runs once more on those tokens alone, writing nothing (its
+        first run's other outputs are dead code XLA drops), so past their keys/values the other tokens cost
+        nothing in the last layer."""
 
         def body(carry, xs):
             h_btd, *pools = carry
@@ -191,14 +201,39 @@ class DecoderStack(nnx.Module):
                 h_btd, pools = nnx.merge(graphdef, whole, layer_state)(h_btd, cos_sin, None, adapter_b, kv, layer)
             return (h_btd, *pools), None
 
+        def last_only(h_btd, pools, layer_state):  # the last layer once more, on row i's token last_at_b[i]
+            def pick(x):
+                return jnp.take_along_axis(x, last_at_b.reshape(-1, 1, *(1,) * (x.ndim - 2)), axis=1)
+
+            kv = dataclasses.replace(paged.with_pools(tuple(pools), layer_l[-1]), pos_bt=pick(paged.pos_bt),
+                                     valid_bt=jnp.zeros((h_btd.shape[0], 1), bool))
+            layer = nnx.merge(graphdef, layer_state) if whole is None else nnx.merge(graphdef, whole, layer_state)
+            args = (pick(h_btd), jax.tree.map(pick, cos_sin), None, adapter_b, kv)
+            # its pools are what it wrote (the trash page only): the ones before, kept too, would cost a copy
+            h_b1d, pools = layer(*args) if whole is None else layer(*args, layer_l[-1])
+            return h_b1d, tuple(pools)
+
         carry = (x_btd, *paged.pools)
         if layers is None:
-            carry, _ = jax.lax.scan(body, carry, (state, layer_l))
+            if last_at_b is None:
+                carry, _ = jax.lax.scan(body, carry, (state, layer_l))
+            else:  # the last layer's input kept: the scan carries each layer's input beside its output
+                def body_keeping_input(c, xs):
+                    out, _ = body(c[1:], xs)
+                    return (c[1], *out), None
+
+                (last_in_btd, *carry), _ = jax.lax.scan(body_keeping_input, (x_btd, *carry), (state, layer_l))
+                _, *pools = carry
+                return last_only(last_in_btd, pools, jax.tree.map(lambda x: x[-1], state))
         else:
             for i, layer_state in enumerate(layers):
                 if x_btd.shape[1] > 1:
                     carry, layer_state = jax.lax.optimization_barrier((carry, layer_state))
+                last_in_btd = carry[0]
                 carry, _ = body(carry, (layer_state, jnp.int32(i)))
+            if last_at_b is not None:
+                _, *pools = carry
+                return last_only(last_in_btd, pools, layers[-1])
         h_btd, *pools = carry
         return h_btd, tuple(pools)
 
@@ -327,6 +362,7 @@ class DecoderLM(nnx.Module):
         kv_blocks: int | None = None,
         layers: list | None = None,
         prefix: SharedPrefix | None = None,
+        last_at_r: jax.Array | None = None,
     ) -> tuple[jax.Array, list[tuple[jax.Array, ...]]]:
         """Tokens at `positions_bt` of sequences whose KV pages are `table_bw` (a prefill chunk, or one
         decode token per row): each stack writes their keys/values into its page pools (`kv_layout`: keys and
@@ -334,10 +370,11 @@ class DecoderLM(nnx.Module):
         and attends over the sequences' pages (`kv_blocks`: see `paged_attention`). `layers` (per stack,
         its `scanned_state()` one layer at a time): run the layers one by one on those arrays. `prefix`
         (decode): pages rows share, read once per segment of rows (`PagedKV.prefix`). Returns final
-        hidden states `[b, t, d]` and the pools."""
+        hidden states `[b, t, d]` and the pools; with `last_at_r` (int32 `[b]`), only those of token
+        `last_at_r[i]` of each row, `[b, 1, d]` (`DecoderStack._paged`)."""
         paged = [PagedKV(pool[0], pool[1] if len(pool) > 1 else None, jnp.int32(0), table_bw, positions_bt, valid_bt,
                          impl, kv_block, self.platform, kv_blocks, prefix) for pool in pools]
-        return self._layers(ids_bt, positions_bt, None, adapter_indices_b, paged, layers)
+        return self._layers(ids_bt, positions_bt, None, adapter_indices_b, paged, layers, last_at_r)
 
     def kv_layout(self) -> tuple[tuple[tuple[int, ...], tuple[str | None, ...]], ...]:
         """What the paged cache holds per token and layer: per pool, its entry's shape and logical axes. Keys
@@ -362,7 +399,7 @@ class DecoderLM(nnx.Module):
         """The scanned states' bytes on one device (what unrolled decode copies)."""
         return sum(stack.layer_bytes() for stack in self.stacks)
 
-    def _layers(self, ids_bt, positions_bt, mask, adapter_b, paged: list | None = None, layers=None):
+    def _layers(self, ids_bt, positions_bt, mask, adapter_b, paged: list | None = None, layers=None, last_at_b=None):
         """Final hidden states and, per stack, None or (given each stack's `PagedKV` in `paged`) its pools."""
         cfg = self.config
         llama3 = cfg.llama3_rope and (cfg.llama3_rope.factor, cfg.llama3_rope.low_freq_factor,
@@ -372,8 +409,9 @@ class DecoderLM(nnx.Module):
         x_btd = self.embed_tokens(ids_bt)
         kvs = []
         for i, stack in enumerate(self.stacks):
+            last = i == len(self.stacks) - 1
             x_btd, kv = stack(x_btd, cos_sin, mask, adapter_b, None if paged is None else paged[i],
-                              None if layers is None else layers[i])
+                              None if layers is None else layers[i], last_at_b if last else None)
             kvs.append(kv)
         return self.norm(x_btd), kvs
 

@@ -4,10 +4,13 @@
 rows, each `step` runs one iteration and returns the rows that finished in it, so rows join and leave
 between device calls (`tx.sampling.paged_calls` packs them into the device calls). It decides which rows
 run; whether they fit and which pages they get, `tx.sampling.kv_cache.KVCacheManager` (`self.kv`) says. How:
-- **Prompt sharing.** The rows of one request share its prompt. The prompt is prefilled once, up to but
-  not including its last token, into pages the request's rows all read; each row copies the partial last
-  page (copy-on-write), feeds the prompt's last token itself and decodes into its own pages. KV memory held
-  is the shared prompt once plus each row's own tokens.
+- **Prompt sharing.** The rows of one request share its prompt. The prompt is prefilled once, all of it,
+  into pages the request's rows all read; the prefill call that writes its last token keeps that token's
+  final hidden state on the device, from which each row's first decode call chooses the row's first token
+  (a call whose rows all start so runs no layers in its first step: a prompt's last token goes through the
+  model once, in the prefill's matmuls, not once more per row in a decode step). Each row copies the partial
+  last page (copy-on-write) and decodes into its own pages. KV memory held is the shared prompt once plus
+  each row's own tokens.
 - **Continuous batching.** A fixed number of decode slots (`max_num_seqs`). Every iteration runs at most
   one prefill call (`prefill_rows` chunks of `prefill_chunk` tokens at fixed absolute positions, so a long
   prompt never stalls the decoding rows for more than one chunk), gives the rows of the prompts it
@@ -88,7 +91,7 @@ class PagedEngine:
         self.stats.update({"prefill_tokens": 0, "prefill_tokens_cached": 0, "decode_tokens": 0, "peak_pages": 0,
                            "pages_in_use": 0, "calls": 0, "chained_calls": 0, "decode_tokens_dropped": 0,
                            "preempted": 0, "shared_prefix_rows": 0, "kv_cache_pages": num_pages,
-                           "pages_uncached": 0})
+                           "pages_uncached": 0, "decode_forwards": 0})
         self.device = PagedDevice(source, runtime, config, text, self.kv, self.stats, free)
         self._serial = 0
         self.reset()
@@ -107,8 +110,7 @@ class PagedEngine:
         """Forget every row and page (after a failed call the pages and donated pools are in an unknown state)."""
         self.kv.reset()  # only here: the prefix cache lives across calls
         self.published: dict[int, set[str]] = {}  # adapter -> the identities its rows' pages are cached under
-        self.device.pools = None
-        self.device.sent.clear()
+        self.device.reset()
         self.inflight: DecodeCall | None = None  # dispatched before the last call was read (`_chain_steps`)
         self.waiting: list[Group] = []  # not admitted, in order (resumed rows first)
         self.prefilling: list[Group] = []  # admitted, prompt not fully written
@@ -295,19 +297,20 @@ class PagedEngine:
     def _admit_group(self, g: Group) -> bool:
         """Admit waiting request `g` if the pool has room for its prompt, its first row's first call and
         the live rows' next call."""
-        hits = self.kv.lookup(g.identity, g.prompt[: g.prefix])
+        # the cache may hold every page but the last token's: that token is always prefilled (its hidden state
+        # gives the rows their first token)
+        hits = self.kv.lookup(g.identity, g.prompt[: g.prefix - 1])
         if not self.kv.can_admit(g.prefix, hits, self._last(g, g.rows[0]), self.live, self.call_steps):
             self.kv.free(hits)
             return False
         g.pages = self.kv.allocate(g.prefix, hits)
         g.prefilled = self.kv.cached_tokens(hits)
+        g.first = self.device.firsts.take()
         if g.cached is None:  # its first admission (a re-admission reads what it wrote itself)
             g.cached = 0 if g.resumed else g.prefilled
         self.stats["prefill_tokens_cached"] += g.prefilled
         self.waiting.remove(g)
-        (self.prefilling if not g.ready else self.ready).append(g)
-        if g.ready:
-            self._publish(g.adapter, g.identity, g.prompt[: g.prefix], g.pages)
+        self.prefilling.append(g)
         return True
 
     def _admit_rows(self) -> None:
@@ -327,15 +330,20 @@ class PagedEngine:
                 continue
             if not g.resumed:
                 row.result.cached_prompt_tokens = g.cached
-            self.live.append(Live(row, g, pages.table, pages.own, g.prefix, int(g.prompt[-1]), last, pages.copy))
+            self.live.append(Live(row, g, pages.table, pages.own, g.prefix - 1, int(g.prompt[-1]), last, pages.copy,
+                                  first=g.first))
             g.rows.pop(0)
             g.live += 1
             if not g.rows:
                 self.ready.pop(0)
+                # its rows' first calls read the slot; a prefill that writes it again runs after them
+                self.device.firsts.give(g.first)
+                g.first = -1
 
     def _last(self, g: Group, row: Row) -> int:
-        """The last position `row` writes: that of the input of its last token."""
-        return g.prefix + row.spec.max_tokens - len(row.result.tokens) - 1
+        """The last position `row` writes: that of the input of its last token (its first token has none: it
+        comes from the prompt's last position, which the prefill writes)."""
+        return g.prefix + row.spec.max_tokens - len(row.result.tokens) - 2
 
     def _grow(self) -> None:
         """Pages for every live row's next call, oldest row first; preempt the youngest when they run out."""
@@ -371,7 +379,8 @@ class PagedEngine:
     def _unadmit(self, g: Group) -> None:
         self._publish(g.adapter, g.identity, g.prompt[: g.prefilled], g.pages)
         self.kv.free(g.pages)
-        g.pages, g.prefilled = [], 0
+        self.device.firsts.give(g.first)
+        g.pages, g.prefilled, g.first = [], 0, -1
         self.waiting.insert(0, g)
 
     def _preempt(self, lv: Live) -> None:

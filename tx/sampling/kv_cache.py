@@ -3,7 +3,7 @@
 
 `continuous.PagedEngine` decides which prompts and rows run and when; it asks `KVCacheManager` whether they
 fit and for their pages, and never counts pages itself. What a page holds, by position:
-- a prompt being prefilled (all of it but its last token, `prompt_len` positions) holds ceil(prompt_len /
+- a prompt being prefilled (all of it, `prompt_len` positions) holds ceil(prompt_len /
   page) pages, the first of them possibly found in the prefix cache (`lookup`);
 - a row's table is its prompt's full pages (shared, held once by the prompt), then pages only the row holds,
   the first of them its own copy of the prompt's partial last page (copy-on-write);

@@ -19,6 +19,7 @@ import numpy as np
 from tx.kernels.shared_prefix import SharedPrefix
 from tx.runtime import pow2
 from tx.sampling.kv_cache import table_width  # noqa: F401  (also read from here by tx/backends/precompile.py)
+from tx.sampling.first_tokens import FirstTokens
 from tx.sampling.kv_pools import make_pools
 from tx.sampling.layer_copies import LayerCopies
 from tx.sampling.paged_step import PrefillInputs, SlotInputs, StepOutputs, decode_steps, prefill_chunk
@@ -211,8 +212,16 @@ class PagedDevice:
                         self.impl, "bucketed" if self.bucketed else "dynamic")
         self.layer_copies = LayerCopies(out_in) if self.unrolled else None
         self.pools: list | None = None
+        self.firsts = FirstTokens(self.slots + 2, source.model.config.hidden_size, runtime.mesh)
         self.sent: dict[str, tuple[np.ndarray, Any]] = {}  # `_put`: per input, the last host value and its device copy
         self.sequences: dict[str, list[int]] = {}  # stop string -> its device sequence ([]: host check only)
+
+    def reset(self) -> None:
+        """Forget the pools and the first-token buffer (remade at the next call: a failed call may have consumed
+        them), what was sent, and every first-token row."""
+        self.pools = None
+        self.firsts.reset()
+        self.sent.clear()
 
     def slot_count(self, live: int) -> int:
         """The decode slots of a call with `live` rows (`slot_count`)."""
@@ -232,9 +241,9 @@ class PagedDevice:
         trips per call are nothing next to a chunk's work, and its programs stay few.)"""
         return block_bucket(last_pos, self.kv_block, self.max_blocks) if self.bucketed else None
 
-    def _call(self, key: tuple, fn, *args, **static) -> Any:
-        """Program `fn` of `key` (named `key[0]`), its pools donated."""
-        compiled = self.runtime.jit(key, fn, tuple(static), donate=("pools",))
+    def _call(self, key: tuple, fn, *args, donate: tuple[str, ...] = ("pools",), **static) -> Any:
+        """Program `fn` of `key` (named `key[0]`), its `donate` arguments donated."""
+        compiled = self.runtime.jit(key, fn, tuple(static), donate=donate)
         return self.runtime.run(key[0], compiled, *args, **static)
 
     def prefill(self, groups: list[Group]) -> None:
@@ -253,7 +262,8 @@ class PagedDevice:
         c = prefill_width(max(end - first for _, first, end in segments), r, c)
         arrays = {"ids_rc": np.zeros((r, c), np.int32), "pos_rc": np.zeros((r, c), np.int32),
                   "valid_rc": np.zeros((r, c), bool), "adapter_r": np.zeros(r, np.int32),
-                  "table_rw": np.zeros((r, self.width), np.int32)}
+                  "table_rw": np.zeros((r, self.width), np.int32),
+                  "first_r": np.full(r, self.firsts.size, np.int32)}
         for i, (g, first, end) in enumerate(segments):
             n = end - first
             arrays["ids_rc"][i, :n] = g.prompt[first:end]
@@ -261,14 +271,17 @@ class PagedDevice:
             arrays["valid_rc"][i, :n] = True
             arrays["adapter_r"][i] = g.adapter
             arrays["table_rw"][i, : len(g.pages)] = g.pages
+            if end == g.prefix:  # its prompt's last token: its hidden state gives the rows' first tokens
+                arrays["first_r"][i] = g.first
             self.stats["prefill_tokens"] += n
         inp = PrefillInputs(**self.runtime.put_batch(arrays))
         model = self.source.model
         # (r, c) decides: one program each
         layer_defs, copies = (None, None) if self.layer_copies is None else self.layer_copies.get(model, head=False)
-        self.pools = self._call(("sample_prefill", r, c), prefill_chunk, model, self._pools(), inp,
-                                copies and copies.stacks,
-                                impl=self.impl, kv_block=self.prefill_block, layer_defs=layer_defs)
+        self.pools, self.firsts.array = self._call(("sample_prefill", r, c), prefill_chunk, model, self._pools(),
+                                                   self.firsts.get(), inp, copies and copies.stacks,
+                                                   impl=self.impl, kv_block=self.prefill_block, layer_defs=layer_defs,
+                                                   donate=("pools", "firsts_nd"))
 
     def decode(self, live: list[Live], bound: int, after: DecodeCall | None = None) -> DecodeCall:
         """Dispatch one call of up to `bound` steps (<= `max_decode_steps_per_call`: a traced value, one program)
@@ -300,7 +313,7 @@ class PagedDevice:
         # None: the program scans the stacks
         # the head's copy is read by programs of 2+ rows only (tx/sampling/layer_copies.py)
         layer_defs, copies = self.layer_copies.get(model, head=key[1] > 1) if self.layer_copies else (None, None)
-        self.pools, out = self._call(key, decode_steps, model, self._pools(), inp, np.int32(bound),
+        self.pools, out = self._call(key, decode_steps, model, self._pools(), self.firsts.get(), inp, np.int32(bound),
                                      copies, steps=self.steps, topk=key[4], impl=self.impl, kv_block=self.kv_block,
                                      kv_blocks=blocks, layer_defs=layer_defs)
         self.stats["calls"] += 1
@@ -328,7 +341,8 @@ class PagedDevice:
         for j, lv in enumerate(live):
             table_sw[j, : len(lv.table)] = lv.table
         zeros = np.zeros(s, np.int32)
-        sent = self._put({"table_sw": table_sw, "copy_src_s": zeros, "copy_dst_s": zeros})
+        sent = self._put({"table_sw": table_sw, "copy_src_s": zeros, "copy_dst_s": zeros,
+                          "first_s": np.full(s, -1, np.int32)})
 
         def laid_out(x):  # the program's outputs as `put_batch` lays inputs out: the same program runs
             return None if x is None else jax.device_put(x, NamedSharding(self.runtime.mesh, batch_spec(x.ndim)))
@@ -362,6 +376,7 @@ class PagedDevice:
 
         out = call.out
         tokens_sk, logprobs_sk, new_s, done_s, hit_s = (to_host(x) for x in out[:5])
+        self.stats["decode_forwards"] += int(to_host(out.forwards))
         top_ids, top_lps = (None if x is None else to_host(x) for x in (out.top_ids_skq, out.top_logprobs_skq))
         rows = []
         for j, lv in enumerate(call.live):
@@ -425,7 +440,8 @@ class PagedDevice:
                   "top_p_s": np.ones(s, np.float32), "max_tokens_s": np.zeros(s, np.int32),
                   "stop_sx": np.full((s, stop_width), -1, np.int32), "table_sw": np.zeros((s, self.width), np.int32),
                   "copy_src_s": np.zeros(s, np.int32), "copy_dst_s": np.zeros(s, np.int32),
-                  "min_p_s": np.zeros(s, np.float32), "penalty_s": np.ones(s, np.float32)}
+                  "min_p_s": np.zeros(s, np.float32), "penalty_s": np.ones(s, np.float32),
+                  "first_s": np.full(s, -1, np.int32)}
         if penalized:
             arrays["presence_sv"] = np.zeros((s, self.source.model.config.vocab_size), bool)
         for j, lv in enumerate(live):
@@ -443,4 +459,5 @@ class PagedDevice:
             if lv.copy is not None:  # made by this call, before any slot reads its pages
                 arrays["copy_src_s"][j], arrays["copy_dst_s"][j] = lv.copy
                 lv.copy = None
+            arrays["first_s"][j], lv.first = lv.first, -1  # its first token, chosen by this call's first step
         return arrays

@@ -34,8 +34,10 @@ class Row:
 
 @dataclass(eq=False)  # compared by identity
 class Group:
-    """Rows that read one prompt's pages (positions 0 .. n-2): a request's rows, or a resumed row whose
-    prompt is its request's prompt + the tokens it had sampled."""
+    """Rows that read one prompt's pages (positions 0 .. n-1, all of it): a request's rows, or a resumed row
+    whose prompt is its request's prompt + the tokens it had sampled. The prefill call that writes its last
+    token also keeps that token's final hidden state at index `first` of the engine's first-token buffer:
+    each row's first token is chosen from it (`Live.first`)."""
 
     rows: list[Row]  # not yet given a slot
     prompt: np.ndarray
@@ -47,10 +49,12 @@ class Group:
     live: int = 0  # rows holding a slot
     resumed: bool = False
     tenant: str = ""  # who sent it (fair admission)
+    first: int = -1  # its slot in the first-token buffer while admitted (-1: none)
 
     @property
     def prefix(self) -> int:
-        return len(self.prompt) - 1
+        """Positions its pages hold: the whole prompt."""
+        return len(self.prompt)
 
     @property
     def ready(self) -> bool:
@@ -67,4 +71,8 @@ class Live:
     token: int  # the next input token
     last: int  # the last position this row may write (prompt + max_tokens - 2)
     copy: tuple[int, int] | None = None  # (src, dst) page copy its first decode call makes
+    # its group's first-token buffer slot until its first decode call: that call's first step chooses the row's
+    # first token from the hidden state there instead of running its input (the prompt's last token, at `pos`,
+    # whose K/V the prefill wrote) through the layers; -1 after
+    first: int = -1
     alive: bool = True  # False once it ended or was preempted (a call dispatched before may still hold its slot)
