@@ -166,20 +166,26 @@ def _pools(t: Target, model) -> list:
         t.mesh, model.layout.spec(POOL_AXES, shape(len(s.layer_ids))))) for _ in range(2)) for s in model.stacks]
 
 
+def _firsts(t: Target, model) -> jax.ShapeDtypeStruct:
+    """The first-token buffer as the engine places it (tx/sampling/first_tokens.py): replicated."""
+    return t.replicated((t.rows + 2, model.config.hidden_size), np.float32)
+
+
 def paged_prefill(t: Target):
     r, c = t.rows, 16
     arrays = {"ids_rc": np.zeros((r, c), np.int32), "pos_rc": np.zeros((r, c), np.int32),
               "valid_rc": np.zeros((r, c), bool), "adapter_r": np.zeros(r, np.int32),
-              "table_rw": np.zeros((r, WIDTH), np.int32)}
-    fn = jax.jit(prefill_chunk, static_argnames=("impl", "kv_block"), donate_argnames=("pools",))
+              "table_rw": np.zeros((r, WIDTH), np.int32), "first_r": np.zeros(r, np.int32)}
+    fn = jax.jit(prefill_chunk, static_argnames=("impl", "kv_block"), donate_argnames=("pools", "firsts_nd"))
     model = t.lora_model
-    return fn, (abstract(model), _pools(t, model), PrefillInputs(**t.batch(arrays)), None), dict(
+    return fn, (abstract(model), _pools(t, model), _firsts(t, model), PrefillInputs(**t.batch(arrays)), None), dict(
         impl=PAGED_IMPL[t.platform], kv_block=32)
 
 
 def paged_decode(t: Target):
     s = t.rows
-    ints = ("token_s", "pos_s", "gen_s", "adapter_s", "top_k_s", "max_tokens_s", "copy_src_s", "copy_dst_s")
+    ints = ("token_s", "pos_s", "gen_s", "adapter_s", "top_k_s", "max_tokens_s", "copy_src_s", "copy_dst_s",
+            "first_s")
     arrays = {k: np.zeros(s, np.int32) for k in ints} | {
         "active_s": np.zeros(s, bool), "seed_s": np.zeros(s, np.uint32),
         **{k: np.zeros(s, np.float32) for k in ("temperature_s", "top_p_s", "min_p_s", "penalty_s")},
@@ -188,7 +194,7 @@ def paged_decode(t: Target):
     model = t.lora_model
     inp = SlotInputs(**({"presence_sv": None} | t.batch(arrays)))
     static = dict(steps=2, topk=2, impl=PAGED_IMPL[t.platform], kv_block=32)
-    return fn, (abstract(model), _pools(t, model), inp, np.int32(2), None), static  # layers: the scan
+    return fn, (abstract(model), _pools(t, model), _firsts(t, model), inp, np.int32(2), None), static  # the scan
 
 
 def prompt_scores(t: Target):

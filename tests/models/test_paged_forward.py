@@ -94,6 +94,45 @@ def test_chunked_prefill_then_decode_equals_forward(tiny_dirs, name, impl, kv_bl
     assert np.count_nonzero(np.asarray(pools[0][0])[:, 0]) > 0  # padding went to the trash page only
 
 
+@pytest.mark.parametrize("name", ["dense", "moe", "moe_no_norm_mixed"])
+def test_a_prefill_keeps_each_rows_last_token_hidden_state(tiny_dirs, name):
+    """`paged_forward(..., last_at_r=...)` (a prefill call keeping its prompts' last tokens, scanned layers; two
+    layer stacks in "moe_no_norm_mixed"): the hidden state `[b, 1, d]` of token `last_at_r[i]` of each row, whose
+    logits are the plain forward's at that token, and the pools the call without it writes, but the trash page."""
+    model = model_with_adapters(tiny_dirs[name])
+    rng = np.random.default_rng(1)
+    lengths, adapters = np.array([7, 3, 8, 1]), jnp.asarray(np.array([1, 0, 2, 1], np.int32))
+    ids = rng.integers(0, model.config.vocab_size, (4, CHUNK)).astype(np.int32)
+    valid = np.arange(CHUNK)[None, :] < lengths[:, None]
+    ids = np.where(valid, ids, 0)
+    want = np.asarray(model.logits(model(jnp.asarray(ids), jnp.asarray(valid.astype(np.int32)), adapters), adapters))
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def run(state, pools, last_r):
+        m = nnx.merge(graphdef, state)
+        pos = jnp.asarray(np.where(valid, np.arange(CHUNK)[None, :], 0))
+        table = jnp.asarray(1 + np.arange(4 * CHUNK // PAGE, dtype=np.int32).reshape(4, CHUNK // PAGE))
+        h, pools = m.paged_forward(jnp.asarray(ids), pos, jnp.asarray(valid), adapters, pools, table, "blocked", 8,
+                                   last_at_r=last_r)
+        return m.logits(h, adapters), pools
+
+    last_r = jnp.asarray(lengths - 1, dtype=jnp.int32)
+    logits, pools = run(state, empty_pools(model), last_r)
+    assert logits.shape == (4, 1, model.config.vocab_size)
+    for b, n in enumerate(lengths):
+        np.testing.assert_allclose(logits[b, 0], want[b, n - 1], atol=1e-4, rtol=1e-4, err_msg=f"row {b}")
+
+    def whole(state, pools):
+        m = nnx.merge(graphdef, state)
+        pos = jnp.asarray(np.where(valid, np.arange(CHUNK)[None, :], 0))
+        table = jnp.asarray(1 + np.arange(4 * CHUNK // PAGE, dtype=np.int32).reshape(4, CHUNK // PAGE))
+        return m.paged_forward(jnp.asarray(ids), pos, jnp.asarray(valid), adapters, pools, table, "blocked", 8)[1]
+
+    for got, plain in zip(jax.tree.leaves(pools), jax.tree.leaves(jax.jit(whole)(state, empty_pools(model)))):
+        np.testing.assert_array_equal(np.asarray(got)[:, 1:], np.asarray(plain)[:, 1:])
+
+
 def test_decode_updates_the_pools_in_place(tiny_dirs):
     """The decode program's XLA temporaries are a small fraction of the pools, which are aliased (donated):
     no per-layer or per-step copy of the cache."""

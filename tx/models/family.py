@@ -44,9 +44,11 @@ class CausalLM(Protocol):
     def paged_forward(self, ids_bt: jax.Array, positions_bt: jax.Array, valid_bt: jax.Array,
                       adapter_indices_b: jax.Array | None, pools: list[tuple[jax.Array, ...]], table_bw: jax.Array,
                       impl: str = "blocked", kv_block: int = 128, kv_blocks: int | None = None,
-                      layers: list | None = None, prefix: Any = None) -> tuple[jax.Array, list[tuple[jax.Array, ...]]]:
-        """The sampling engine's step: hidden states, and the page pools with this call's entries written
-        (`prefix`: a decode call's `tx.kernels.shared_prefix.SharedPrefix`, or None)."""
+                      layers: list | None = None, prefix: Any = None, last_at_r: jax.Array | None = None
+                      ) -> tuple[jax.Array, list[tuple[jax.Array, ...]]]:
+        """The sampling engine's step: hidden states (`[b, t, d]`, or with `last_at_r` those of token
+        `last_at_r[i]` of each row, `[b, 1, d]`), and the page pools with this call's entries written (`prefix`: a
+        decode call's `tx.kernels.shared_prefix.SharedPrefix`, or None)."""
         ...
 
     def kv_layout(self) -> tuple[tuple[tuple[int, ...], tuple[str | None, ...]], ...]:
