@@ -187,9 +187,10 @@ class DecoderStack(nnx.Module):
         and ran slower (bench_peer's batch 8 on CPU: 0.977x the scan's call time unordered, 0.952x ordered).
         `last_at_b` (int32 `[b]`): the output is the hidden state of token `last_at_b[i]` of each row only
         (`[b, 1, d]`, what a prefill call keeps of a prompt's last token): every token still writes its keys and
-        values in every layer, and the last layer then runs once more on those tokens alone, writing nothing (its
-        first run's other outputs are dead code XLA drops), so past their keys/values the other tokens cost
-        nothing in the last layer."""
+        values in every layer, and the last layer then runs once more on those tokens alone, writing nothing.
+        Unrolled, its first run's other outputs are dead code XLA drops, so past their keys/values the other
+        tokens cost nothing in the last layer; under the scan every layer runs its whole body, as before, and the
+        rerun slices the last layer's weights out of the stacks once."""
 
         def body(carry, xs):
             h_btd, *pools = carry
