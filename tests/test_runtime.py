@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tests.helpers import one_device_env
 from tx.backends.batching import model_pass_shapes
-from tx.sampling.paged_calls import slot_counts
+from tx.sampling.call_shapes import slot_counts
 
 ROOT = Path(__file__).parents[1]
 

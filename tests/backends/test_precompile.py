@@ -11,7 +11,7 @@ from tx import types
 from tx.backends.batching import micro_batch_shape, model_pass_shapes, plan_micro_batches
 from tx.backends.precompile import (SCRATCH, decode_block_prompts, one_row_prefill_prompts, precompile,
                                    prefill_prompt_lengths)
-from tx.sampling.paged_calls import prefill_row_count, slot_counts, slot_steps
+from tx.sampling.call_shapes import prefill_row_count, slot_counts, slot_steps
 
 MAX_SEQ, BUDGET = 24, 32  # 3 shapes: 2 x 16 and 1 x 16, 1 x 24
 
@@ -95,7 +95,7 @@ def test_prefill_prompt_lengths_reach_every_row_count(max_seq, chunk, rows, slot
 def test_one_row_prefill_prompts():
     """Every width a one-row prefill call takes for prompts of 1 .. max_seq - 2 tokens (brute force), each with a
     prompt in those limits whose one-row prefill takes it."""
-    from tx.sampling.paged_calls import prefill_width
+    from tx.sampling.call_shapes import prefill_width
 
     def width(n):  # a prompt of n tokens alone: its first call writes min(n, chunk) tokens
         return prefill_width(min(n, chunk), 1, chunk)

@@ -207,7 +207,7 @@ def test_unrolled_and_scanned_layers_sample_the_same(tiny_dirs, engines, caplog)
     its memory) runs the layers one by one on per-layer copies of their weights, made once and kept
     (tx/sampling/layer_copies.py); "scan" slices them inside the step loop. Both sample the same tokens;
     only the unrolled engine holds copies."""
-    from tx.sampling.paged_calls import decode_layers_unrolled
+    from tx.sampling.call_shapes import decode_layers_unrolled
 
     _, auto = engines
     assert auto.sampler.paged.device.unrolled
@@ -246,7 +246,7 @@ def test_kv_block_default_is_32_tokens_on_cpu_64_elsewhere(tiny_dirs, engines, c
     """`kv_block=None` (the default): 32-token attention blocks on CPU, 64 elsewhere, in whole pages, and prefill
     blocks of at least 128 on CPU with 'blocked' attention; the engine runs and logs what it resolved, and samples
     the tokens the 8-token blocks sample."""
-    from tx.sampling.paged_calls import kv_block_for, prefill_kv_block
+    from tx.sampling.call_shapes import kv_block_for, prefill_kv_block
 
     assert [kv_block_for(None, page, "cpu") for page in (4, 16, 12, 64)] == [32, 32, 36, 64]
     assert kv_block_for(None, 16, "cuda") == kv_block_for(None, 16, "tpu") == 64
@@ -364,7 +364,7 @@ def test_prefill_calls_run_on_the_layer_copies_in_turn(tiny_dirs, engines, monke
 def test_a_lone_short_prefill_narrows_its_chunk(tiny_dirs, engines):
     """A one-row prefill call runs on a quarter or half of `prefill_chunk` (8 here) where its tokens fit: a short
     prompt alone, and the rest of a prompt whose first pages the prefix cache holds. Tokens are the oracle's."""
-    from tx.sampling.paged_calls import prefill_width
+    from tx.sampling.call_shapes import prefill_width
 
     assert [prefill_width(n, 1, 8) for n in (1, 2, 3, 4, 5, 8)] == [2, 2, 4, 4, 8, 8]
     assert prefill_width(1, 2, 8) == 8 and prefill_width(1, 1, 1) == 1 and prefill_width(1, 1, 2) == 1
@@ -391,7 +391,7 @@ def test_a_lone_short_prefill_narrows_its_chunk(tiny_dirs, engines):
 
 
 def test_kv_blocks_auto_means_bucketed_on_gpus_only():
-    from tx.sampling.paged_calls import kv_blocks_bucketed
+    from tx.sampling.call_shapes import kv_blocks_bucketed
 
     assert [kv_blocks_bucketed("auto", p) for p in ("cpu", "tpu", "cuda", "rocm")] == [False, False, True, True]
     assert kv_blocks_bucketed("bucketed", "cpu") and not kv_blocks_bucketed("dynamic", "cuda")
@@ -410,7 +410,7 @@ def test_topk_sample_logprobs_and_programs_stay_bounded(engines):
         paged.sample(sample_batch([("v", "a", [(PROMPTS[1], SP(max_tokens=m, temperature=0.5, seed=m))] * 3,
                                     False, 0)]))
     grown = {k: v - before.get(k, 0) for k, v in paged.metrics.compiles.items() if v != before.get(k, 0)}
-    assert set(grown) <= {"sample_decode"}, grown  # slot buckets only (`paged_calls.slot_count`)
+    assert set(grown) <= {"sample_decode"}, grown  # slot buckets only (`call_shapes.slot_count`)
 
 
 def test_prefix_cache_reuses_prompts_and_conversations_until_weights_change(engines):

@@ -10,7 +10,7 @@ is touched):
   max_seq_len, so padding stays under 50% with a logarithmic number of shapes; rows in powers of two times
   the fsdp size within `train_micro_batch_tokens` / `train_micro_batch_size`, since the planner packs rows
   into micro-batches under that budget).
-- the paged sampling engine: the decode program at every slot count (`paged_calls.slot_counts`: the live rows
+- the paged sampling engine: the decode program at every slot count (`call_shapes.slot_counts`: the live rows
   are padded to one; n samples of one prompt, long enough that all n decode together however few prompts a
   prefill call takes) and the prefill program at every row count one
   iteration's admissions can want (powers of 2 up to `prefill_rows`: up to `max_num_seqs` prompts of up to
@@ -34,8 +34,9 @@ from tqdm import tqdm
 
 from tx import types
 from tx.backends.batching import model_pass_shapes
-from tx.sampling.paged_calls import (block_bucket, kv_block_for, kv_blocks_bucketed, prefill_row_count, prefill_width,
-                                    slot_counts, slot_steps, table_blocks, table_width)
+from tx.sampling.call_shapes import (block_bucket, kv_block_for, kv_blocks_bucketed, prefill_row_count, prefill_width,
+                                     slot_counts, slot_steps, table_blocks)
+from tx.sampling.kv_cache import table_width
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ SCRATCH = "__precompile__"
 
 def prefill_prompt_lengths(max_seq_len: int, chunk: int, prefill_rows: int, max_num_seqs: int, fsdp: int
                            ) -> list[list[int]]:
-    """For each prefill row count (`paged_calls.prefill_row_count`) but one chunk's (the slot-count runs
+    """For each prefill row count (`call_shapes.prefill_row_count`) but one chunk's (the slot-count runs
     prefill one one-chunk prompt), the lengths of prompts whose first prefill call takes it: one iteration
     admits up to `max_num_seqs` one-sample requests, each prompt spanning at most the chunks of one with 2 new
     tokens (max_seq_len - 2 tokens, every one prefilled)."""
@@ -63,7 +64,7 @@ def prefill_prompt_lengths(max_seq_len: int, chunk: int, prefill_rows: int, max_
 
 
 def one_row_prefill_prompts(max_seq_len: int, chunk: int) -> dict[int, int]:
-    """Each width a one-row prefill call can take (`paged_calls.prefill_width`) -> the length of a prompt alone
+    """Each width a one-row prefill call can take (`call_shapes.prefill_width`) -> the length of a prompt alone
     whose prefill takes it. The row writes 1 .. chunk tokens, at most those of the longest prompt with 2 new
     tokens (max_seq_len - 2 tokens, every one prefilled)."""
     most = min(chunk, max_seq_len - 2)

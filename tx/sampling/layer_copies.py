@@ -23,7 +23,7 @@ platforms: their matmul libraries take either layout.
 
 Memory: one more copy of the layer weights (`Qwen3.layer_bytes()`), and of an untied head with `out_in`
 (made at the first decode call of two or more rows), held while the engine lives; the "auto" rule
-(`paged_calls.decode_layers_unrolled`) takes unrolled decode only where that is at most a quarter of the
+(`call_shapes.decode_layers_unrolled`) takes unrolled decode only where that is at most a quarter of the
 free memory.
 """
 

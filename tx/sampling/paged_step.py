@@ -176,7 +176,6 @@ def decode_steps(model, pools: Pools, firsts_nd: jax.Array, inp: SlotInputs, bou
         at_s = jnp.where(active_s, pos_s, 0)
         # a slot starting its row: its input's K/V is written (by the prefill), its hidden state kept
         first_s = active_s & (k == 0) & (inp.first_s >= 0)
-        prefilled_s1d = firsts_nd[jnp.maximum(inp.first_s, 0)][:, None, :].astype(hidden_dtype)
 
         def forward(c):
             n, pools, _ = c
@@ -213,6 +212,8 @@ def decode_steps(model, pools: Pools, firsts_nd: jax.Array, inp: SlotInputs, bou
                 hit_s, presence_sv, recent_sl, *top)
 
     hidden_dtype = model.embed_tokens.embedding[...].dtype
+    # the starting slots' kept states (rows without one read row 0: unused), gathered once for the first step
+    prefilled_s1d = firsts_nd[jnp.maximum(inp.first_s, 0)][:, None, :].astype(hidden_dtype)
     state = (jnp.int32(0), jnp.int32(0), pools, inp.token_s, inp.pos_s, inp.active_s, inp.gen_s,
              jnp.zeros((s, steps), jnp.int32), jnp.zeros((s, steps), jnp.float32), jnp.zeros(s, bool), inp.presence_sv,
              inp.recent_sl)
