@@ -11,7 +11,7 @@ from tx import types
 from tx.backends.batching import micro_batch_shape, model_pass_shapes, plan_micro_batches
 from tx.backends.precompile import (SCRATCH, decode_block_prompts, one_row_prefill_prompts, precompile,
                                    prefill_prompt_lengths)
-from tx.sampling.call_shapes import prefill_row_count, slot_counts, slot_steps
+from tx.sampling.call_shapes import prefill_row_count
 
 MAX_SEQ, BUDGET = 24, 32  # 3 shapes: 2 x 16 and 1 x 16, 1 x 24
 
@@ -41,23 +41,6 @@ def test_shapes_are_what_the_planner_makes(max_seq, budget, cap, fsdp):
 def test_unbounded_grid_refused():
     with pytest.raises(ValueError, match="train_micro_batch_tokens or train_micro_batch_size"):
         model_pass_shapes(64, 0, 0, 1)
-
-
-def test_slot_counts():
-    assert slot_counts(64, 1) == [1, 2, 4, 8, 16, 32, 64]
-    assert slot_counts(48, 1) == [1, 2, 4, 8, 16, 32, 48]
-    assert slot_counts(8, 4) == [4, 8]
-    # with three quarters of a power of 2 above 64 rows; up to 64 (the default max_num_seqs) powers of 2 only
-    assert slot_counts(64, 1, steps=2) == slot_counts(64, 1, steps=4) == [1, 2, 4, 8, 16, 32, 64]
-    assert slot_counts(72, 1, steps=2) == [1, 2, 4, 8, 16, 32, 64, 72]
-    assert slot_counts(512, 1, steps=2) == [1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512]
-    assert slot_counts(100, 8, steps=2) == [8, 16, 32, 64, 96, 104]  # 100 rounded up to the fsdp size
-    # eighths of an octave above 64 rows (the CPU's default)
-    assert slot_counts(512, 1, steps=4) == [1, 2, 4, 8, 16, 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320,
-                                            384, 448, 512]
-    assert slot_counts(100, 8, steps=4) == [8, 16, 32, 64, 80, 96, 104]
-    assert [slot_steps(s, p) for s, p in [("auto", "cpu"), ("auto", "cuda"), ("auto", "tpu"), ("pow2", "cpu"),
-                                           ("three_quarters", "cuda"), ("eighths", "tpu")]] == [4, 1, 1, 1, 2, 4]
 
 
 @pytest.mark.parametrize("max_seq,page,kv_block", [(24, 4, 8), (96, 4, 8), (4096, 16, 64), (100, 16, 16)])

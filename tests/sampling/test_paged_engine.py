@@ -390,13 +390,6 @@ def test_a_lone_short_prefill_narrows_its_chunk(tiny_dirs, engines):
     assert widths == [2, 4, 8] and written == 4, (widths, written)
 
 
-def test_kv_blocks_auto_means_bucketed_on_gpus_only():
-    from tx.sampling.call_shapes import kv_blocks_bucketed
-
-    assert [kv_blocks_bucketed("auto", p) for p in ("cpu", "tpu", "cuda", "rocm")] == [False, False, True, True]
-    assert kv_blocks_bucketed("bucketed", "cpu") and not kv_blocks_bucketed("dynamic", "cuda")
-
-
 def test_topk_sample_logprobs_and_programs_stay_bounded(engines):
     _, paged = engines
     params = SP(max_tokens=6, temperature=1.0, seed=2, stop=[])
