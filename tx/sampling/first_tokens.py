@@ -8,6 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from tx.models.sharding import zeros_global
 
 
 class FirstTokens:
@@ -30,10 +33,6 @@ class FirstTokens:
     def get(self) -> Any:
         """The device array (donated to prefill calls: put the one they return back in `array`)."""
         if self.array is None:
-            from jax.sharding import NamedSharding, PartitionSpec
-
-            from tx.models.sharding import zeros_global
-
             self.array = zeros_global((self.size, self.hidden), np.float32, NamedSharding(self.mesh, PartitionSpec()))
         return self.array
 

@@ -162,6 +162,10 @@ def decode_steps(model, pools: Pools, firsts_nd: jax.Array, inp: SlotInputs, bou
     sequences = inp.stop_seq_sxl is not None
     most = CHOICE_GROUP_ENTRIES.get(model.platform) if model.layout.one_device else None
 
+    hidden_dtype = model.embed_tokens.embedding[...].dtype
+    # the starting slots' kept states (rows without one read row 0: unused), gathered once for the first step
+    prefilled_s1d = firsts_nd[jnp.maximum(inp.first_s, 0)][:, None, :].astype(hidden_dtype)
+
     def cond(state):
         return (state[0] < jnp.minimum(bound, steps)) & jnp.any(state[5])
 
@@ -211,9 +215,6 @@ def decode_steps(model, pools: Pools, firsts_nd: jax.Array, inp: SlotInputs, bou
         return (k + 1, forwards, pools, next_s, pos_s + active_s, active_s & ~ended_s, gen_s, tokens_sk, logprobs_sk,
                 hit_s, presence_sv, recent_sl, *top)
 
-    hidden_dtype = model.embed_tokens.embedding[...].dtype
-    # the starting slots' kept states (rows without one read row 0: unused), gathered once for the first step
-    prefilled_s1d = firsts_nd[jnp.maximum(inp.first_s, 0)][:, None, :].astype(hidden_dtype)
     state = (jnp.int32(0), jnp.int32(0), pools, inp.token_s, inp.pos_s, inp.active_s, inp.gen_s,
              jnp.zeros((s, steps), jnp.int32), jnp.zeros((s, steps), jnp.float32), jnp.zeros(s, bool), inp.presence_sv,
              inp.recent_sl)
